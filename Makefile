@@ -1,0 +1,30 @@
+# The two commands: `make run` and `make test`. Both set themselves up in .venv.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU torch first, pinned, so nothing pulls a CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[engine,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/evalsvc demo
+
+test: $(STAMP)
+	$(BIN)/ruff check evalsvc tests training benchmarks
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check evalsvc tests training benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

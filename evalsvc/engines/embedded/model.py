@@ -1,0 +1,637 @@
+"""Small hybrid recurrent + attention language models with an MTP draft head.
+
+Two families, as SGLang serves them:
+
+* ``mamba2``: Mamba2-style mixers (one decay per head, state ``[heads, head_dim, state_size]``),
+  interleaved with attention, like Nemotron-H.
+* ``gated_deltanet``: gated delta-rule mixers (state ``[heads, key_dim, value_dim]``), interleaved
+  with attention, like Qwen3-Next.
+
+Every recurrent mixer keeps two pieces of per-request state: the last ``conv_kernel - 1`` inputs of
+its short causal convolution (``conv``, ``[channels, conv_kernel - 1]``) and its recurrent state
+(``ssm``). Serving runs the recurrence one token at a time from an explicit initial state, so a state
+saved after ``k`` tokens and resumed gives the same numbers as one pass over the whole sequence.
+Training uses the equivalent parallel forms.
+
+The MTP head is DeepSeek-style: at position ``s`` it reads the target's last hidden state ``h_s`` and
+the embedding of token ``s + 1`` and predicts token ``s + 2``; its output hidden state feeds the next
+draft step (EAGLE-style chaining). It has one recurrent block of the model's family, so a request
+also owns *draft state*: that block's conv and ssm state plus the target hidden state at the last
+position (``hidden``), which the next draft step pairs with the newest token.
+
+All logprobs are natural-log; tensors are float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("mamba2", "gated_deltanet")
+
+
+@dataclass
+class HybridConfig:
+    family: str = "mamba2"
+    vocab_size: int = 259
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    layer_types: list[str] = field(default_factory=lambda: ["recurrent", "attention"] * 2)
+    num_attention_heads: int = 4
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+    # recurrent mixer
+    num_ssm_heads: int = 4
+    ssm_head_dim: int = 32
+    ssm_state_size: int = 16  # mamba2 only; gated_deltanet uses ssm_head_dim for keys and values
+    conv_kernel: int = 4
+    # MTP head
+    num_nextn_predict_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+    pad_token_id: int = 258
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"config.json: family must be one of {FAMILIES}, got {self.family!r}")
+        bad = [t for t in self.layer_types if t not in ("recurrent", "attention")]
+        if bad:
+            raise ValueError(f"config.json: unknown layer_types {bad}")
+
+    @property
+    def architecture(self) -> str:
+        if self.family == "mamba2":
+            return "EvalsvcMamba2HybridForCausalLM"
+        return "EvalsvcGatedDeltaNetHybridForCausalLM"
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "recurrent"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "attention"]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        return {"architectures": [self.architecture], "model_type": "evalsvc_hybrid",
+                "torch_dtype": "float32", **data}
+
+    @classmethod
+    def from_json(cls, data: dict) -> HybridConfig:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding; x: [..., T, H, D], positions: [T] (or broadcastable)."""
+    half = x.shape[-1] // 2
+    inv = 1.0 / (theta ** (torch.arange(half, dtype=torch.float32) / half))
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, half]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        inner = cfg.num_attention_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * inner, bias=False)
+        self.o = nn.Linear(inner, cfg.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x: [T, D] -> q, k, v: [T, H, Dh] with rotary applied to q and k."""
+        h, d = self.cfg.num_attention_heads, self.cfg.head_dim
+        q, k, v = self.qkv(x).view(x.shape[0], 3, h, d).unbind(1)
+        return rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta), v
+
+    def forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        pos = torch.arange(t)
+        q, k, v = self.project(x.reshape(b * t, -1), pos.repeat(b))
+        q, k, v = (z.view(b, t, *z.shape[1:]).transpose(1, 2) for z in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    @staticmethod
+    def attend_batch(q, keys, vals, past_lens):
+        """Attention of B segments in one call.
+
+        q: [B, L, H, Dh], the new tokens of each segment right-padded to L; keys/vals:
+        [B, S, H, Dh], each segment's cached keys followed by its new ones, right-padded to S.
+        Segment b's query i sits at position ``past_lens[b] + i`` and sees keys up to it.
+        Returns [B, L, H*Dh].
+        """
+        b, big_l, h, d = q.shape
+        j = torch.arange(keys.shape[1])[None, None, :]
+        i = torch.arange(big_l)[None, :, None]
+        mask = j <= torch.tensor(past_lens)[:, None, None] + i  # [B, L, S]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                             vals.transpose(1, 2), attn_mask=mask[:, None])
+        return out.transpose(1, 2).reshape(b, big_l, h * d)
+
+
+class CausalConv(nn.Module):
+    """Depthwise causal conv1d whose state is the last ``kernel - 1`` inputs."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels, 1, kernel) / math.sqrt(kernel))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.kernel = kernel
+
+    def forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, C] -> [B, L, C] from a zero state."""
+        xt = F.pad(x.transpose(1, 2), (self.kernel - 1, 0))
+        return F.conv1d(xt, self.weight, self.bias, groups=x.shape[-1]).transpose(1, 2)
+
+    def forward_state(self, x: torch.Tensor, state: torch.Tensor):
+        """x: [B, L, C] (padded), state: [B, C, K-1] -> (out [B, L, C], full input [B, C, K-1+L])."""
+        full = torch.cat([state, x.transpose(1, 2)], dim=2)
+        out = F.conv1d(full, self.weight, self.bias, groups=x.shape[-1]).transpose(1, 2)
+        return out, full
+
+
+@dataclass
+class ScanResult:
+    """Output of a recurrent mixer over padded segments.
+
+    ``out``: [B, L, D]; ``conv``/``ssm``: final state per segment (after ``lengths[b]`` tokens);
+    ``captured``: {(b, k): (conv, ssm)}: state after ``k`` tokens of segment ``b``.
+    """
+
+    out: torch.Tensor
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _conv_state_after(full: torch.Tensor, b: int, k: int, width: int) -> torch.Tensor:
+    return full[b, :, k: k + width].clone()
+
+
+class RecurrentMixer(nn.Module):
+    """Shared serving loop for both families: conv, then a per-token scan with masking."""
+
+    conv_channels: int
+    conv: CausalConv
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        raise NotImplementedError
+
+    def scan(self, x: torch.Tensor, lengths: list[int], conv_state: torch.Tensor,
+             ssm_state: torch.Tensor, capture: list[tuple[int, int]]) -> ScanResult:
+        """x: [B, L, D] (segments right-padded), lengths: tokens per segment, states: [B, ...]."""
+        b, big_l, _ = x.shape
+        pre = self.pre_conv(x)  # dict of per-token tensors, conv input under "conv_in"
+        conv_out, full = self.conv.forward_state(pre["conv_in"], conv_state)
+        pre["conv_out"] = F.silu(conv_out)
+        want: dict[int, list[int]] = {}
+        for seg, k in capture:
+            want.setdefault(k, []).append(seg)
+        captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        width = self.conv.kernel - 1
+        lens = torch.tensor(lengths)
+        ragged = any(n != big_l for n in lengths)
+        h = ssm_state
+        step = self.step_inputs(pre)
+        ys = []
+        for t in range(big_l):
+            h_new, y = self.step(h, {k: v[:, t] for k, v in step.items()})
+            if ragged:
+                valid = (lens > t).view(b, *([1] * (h.dim() - 1)))
+                h = torch.where(valid, h_new, h)
+            else:
+                h = h_new
+            ys.append(y)
+            for seg in want.get(t + 1, ()):
+                captured[(seg, t + 1)] = (_conv_state_after(full, seg, t + 1, width), h[seg].clone())
+        y = torch.stack(ys, dim=1)
+        conv_final = torch.stack([full[i, :, n: n + width] for i, n in enumerate(lengths)])
+        return ScanResult(self.post(y, pre), conv_final.contiguous(), h, captured)
+
+    # family-specific pieces
+    def pre_conv(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def step_inputs(self, pre: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def step(self, h: torch.Tensor, inp: dict[str, torch.Tensor]):
+        raise NotImplementedError
+
+    def post(self, y: torch.Tensor, pre: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Mamba2Mixer(RecurrentMixer):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.h, self.p, self.n = cfg.num_ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size
+        self.inner = self.h * self.p
+        self.conv_channels = self.inner + 2 * self.n
+        self.in_proj = nn.Linear(cfg.hidden_size, 2 * self.inner + 2 * self.n + self.h, bias=False)
+        self.conv = CausalConv(self.conv_channels, cfg.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.log(torch.expm1(torch.linspace(1e-3, 1e-1, self.h))))
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, self.h)))
+        self.D = nn.Parameter(torch.ones(self.h))
+        self.norm = RMSNorm(self.inner, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=False)
+
+    def state_shapes(self):
+        return (self.conv_channels, self.conv.kernel - 1), (self.h, self.p, self.n)
+
+    def pre_conv(self, x):
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_channels, self.h], dim=-1)
+        return {"z": z, "conv_in": xbc, "dt": F.softplus(dt + self.dt_bias)}
+
+    def _split(self, pre):
+        xs, bm, cm = pre["conv_out"].split([self.inner, self.n, self.n], dim=-1)
+        return xs.unflatten(-1, (self.h, self.p)), bm, cm
+
+    def step_inputs(self, pre):
+        xs, bm, cm = self._split(pre)
+        dt = pre["dt"]
+        da = torch.exp(dt * -torch.exp(self.A_log))
+        return {"x": xs, "dtx": xs * dt[..., None], "B": bm, "C": cm, "dA": da}
+
+    def step(self, h, inp):
+        h = h * inp["dA"][:, :, None, None] + inp["dtx"][:, :, :, None] * inp["B"][:, None, None, :]
+        y = (h * inp["C"][:, None, None, :]).sum(-1) + self.D[:, None] * inp["x"]
+        return h, y
+
+    def post(self, y, pre):
+        y = y.flatten(-2) * F.silu(pre["z"])
+        return self.out_proj(self.norm(y))
+
+    def forward_train(self, x: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+        """Chunked parallel (SSD) form over [B, L, D] from a zero state."""
+        pre = self.pre_conv(x)
+        pre["conv_out"] = F.silu(self.conv.forward_train(pre["conv_in"]))
+        xs, bm, cm = self._split(pre)
+        dt = pre["dt"]  # [B, L, H]
+        y = chunk_ssd(xs * dt[..., None], dt * -torch.exp(self.A_log), bm, cm, chunk)
+        return self.post(y + self.D[:, None] * xs, pre)
+
+
+def chunk_ssd(dtx, a, bm, cm, chunk: int = 64):
+    """Mamba2 scan, chunk-parallel. dtx: [B, L, H, P], a (log decay): [B, L, H], bm, cm: [B, L, N].
+
+    Returns y [B, L, H, P] with y_t = C_t . h_t and h_t = exp(a_t) h_{t-1} + dtx_t (x) B_t.
+    """
+    b, big_l, h, p = dtx.shape
+    pad = (chunk - big_l % chunk) % chunk
+    dtx = F.pad(dtx, (0, 0, 0, 0, 0, pad)).view(b, -1, chunk, h, p)
+    a = F.pad(a, (0, 0, 0, pad)).view(b, -1, chunk, h).permute(0, 3, 1, 2)  # [B, H, n, c]
+    bm = F.pad(bm, (0, 0, 0, pad)).view(b, -1, chunk, bm.shape[-1])  # [B, n, c, N]
+    cm = F.pad(cm, (0, 0, 0, pad)).view(b, -1, chunk, cm.shape[-1])
+    cum = a.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    decay = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, -torch.inf))
+    cb = cm @ bm.transpose(-1, -2)  # [B, n, c, c]
+    xh = dtx.permute(0, 3, 1, 2, 4)  # [B, H, n, c, P]
+    y = (decay * cb[:, None]) @ xh  # intra-chunk
+    to_end = torch.exp(cum[..., -1:] - cum)  # [B, H, n, c]
+    states = (xh * to_end[..., None]).transpose(-1, -2) @ bm[:, None]  # [B, H, n, P, N]
+    run = torch.zeros(b, h, p, bm.shape[-1])
+    inter = []
+    for i in range(cum.shape[2]):
+        inter.append(run)
+        run = run * torch.exp(cum[:, :, i, -1])[..., None, None] + states[:, :, i]
+    prev = torch.stack(inter, dim=2)  # state entering each chunk [B, H, n, P, N]
+    y = y + (cm[:, None] @ prev.transpose(-1, -2)) * torch.exp(cum)[..., None]
+    return y.permute(0, 2, 3, 1, 4).reshape(b, -1, h, p)[:, :big_l]
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNetMixer(RecurrentMixer):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.h, self.dk = cfg.num_ssm_heads, cfg.ssm_head_dim
+        self.inner = self.h * self.dk
+        self.conv_channels = 3 * self.inner
+        self.in_proj = nn.Linear(cfg.hidden_size, 4 * self.inner + 2 * self.h, bias=False)
+        self.conv = CausalConv(self.conv_channels, cfg.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.zeros(self.h))
+        self.A_log = nn.Parameter(torch.log(torch.linspace(0.5, 8.0, self.h)))
+        self.norm = RMSNorm(self.dk, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=False)
+
+    def state_shapes(self):
+        return (self.conv_channels, self.conv.kernel - 1), (self.h, self.dk, self.dk)
+
+    def pre_conv(self, x):
+        qkv, z, b, a = self.in_proj(x).split([self.conv_channels, self.inner, self.h, self.h], -1)
+        g = -torch.exp(self.A_log) * F.softplus(a + self.dt_bias)
+        return {"conv_in": qkv, "z": z, "beta": torch.sigmoid(b), "g": g}
+
+    def _qkv(self, pre):
+        q, k, v = pre["conv_out"].split([self.inner] * 3, dim=-1)
+        q, k, v = (t.unflatten(-1, (self.h, self.dk)) for t in (q, k, v))
+        return _l2norm(q) / math.sqrt(self.dk), _l2norm(k), v
+
+    def step_inputs(self, pre):
+        q, k, v = self._qkv(pre)
+        return {"q": q, "k": k, "v": v, "beta": pre["beta"], "decay": torch.exp(pre["g"])}
+
+    def step(self, s, inp):
+        s = s * inp["decay"][:, :, None, None]
+        k = inp["k"]
+        mem = (s * k[:, :, :, None]).sum(2)  # [B, H, dv]
+        delta = (inp["v"] - mem) * inp["beta"][:, :, None]
+        s = s + k[:, :, :, None] * delta[:, :, None, :]
+        y = (s * inp["q"][:, :, :, None]).sum(2)
+        return s, y
+
+    def post(self, y, pre):
+        z = pre["z"].unflatten(-1, (self.h, self.dk))
+        y = (self.norm(y) * F.silu(z)).flatten(-2)
+        return self.out_proj(y)
+
+    def forward_train(self, x: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+        """Chunked parallel form (WY representation) over [B, L, D] from a zero state."""
+        pre = self.pre_conv(x)
+        pre["conv_out"] = F.silu(self.conv.forward_train(pre["conv_in"]))
+        q, k, v = self._qkv(pre)
+        y = chunk_gated_delta_rule(q, k, v, pre["g"], pre["beta"], chunk)
+        return self.post(y, pre)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None):
+    """q, k, v: [B, L, H, D]; g (log decay), beta: [B, L, H] -> y [B, L, H, Dv].
+
+    Same values as the token-by-token recurrence, computed chunk-parallel for training.
+    """
+    b, big_l, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (chunk - big_l % chunk) % chunk
+    q, k, v = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))  # [B, H, Lp, D]
+    g, beta = (F.pad(t.transpose(1, 2), (0, pad)) for t in (g, beta))  # [B, H, Lp]
+    n = q.shape[2] // chunk
+    q, k, v = (t.reshape(b, h, n, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    g = g.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    decay = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~lower, -torch.inf))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    strict = torch.ones(chunk, chunk, dtype=torch.bool).tril(-1)
+    a = ((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
+    eye = torch.eye(chunk)
+    t_inv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False)
+    u = t_inv @ v_beta  # [B, H, N, C, dv]
+    w = t_inv @ (k_beta * g.exp()[..., None])  # [B, H, N, C, dk]
+    s = torch.zeros(b, h, dk, dv) if state is None else state
+    outs = []
+    for i in range(n):
+        qi, ki, gi = q[:, :, i], k[:, :, i], g[:, :, i]
+        v_new = u[:, :, i] - w[:, :, i] @ s
+        intra = (qi @ ki.transpose(-1, -2) * decay[:, :, i]) @ v_new
+        outs.append((qi * gi.exp()[..., None]) @ s + intra)
+        to_end = (ki * (gi[..., -1:] - gi).exp()[..., None]).transpose(-1, -2)
+        s = s * gi[..., -1, None, None].exp() + to_end @ v_new
+    y = torch.stack(outs, dim=2).reshape(b, h, n * chunk, dv)[:, :, :big_l]
+    return y.transpose(1, 2)
+
+
+def make_mixer(cfg: HybridConfig) -> RecurrentMixer:
+    return Mamba2Mixer(cfg) if cfg.family == "mamba2" else GatedDeltaNetMixer(cfg)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: HybridConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer = Attention(cfg) if kind == "attention" else make_mixer(cfg)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer.forward_train(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class MTPHead(nn.Module):
+    """DeepSeek-style next-next-token head with one recurrent block."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = Block(cfg, "recurrent")
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def fuse(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.hnorm(hidden), self.enorm(emb)], dim=-1))
+
+    def forward_train(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return self.block.forward_train(self.fuse(hidden, emb))
+
+
+class KVAccess(Protocol):
+    """Where attention layers keep keys and values (the engine's KV pool)."""
+
+    past_lens: list[int]  # cached positions of each segment
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Keep the new k, v ([T, H, Dh], segments concatenated) of attention layer ``layer``;
+        return that layer's keys and values per segment, past then new, right-padded:
+        ([B, S, H, Dh], [B, S, H, Dh])."""
+
+
+@dataclass
+class SegmentStates:
+    """Recurrent states for B segments: per recurrent layer, conv [B, C, K-1] and ssm [B, ...]."""
+
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+
+
+@dataclass
+class SegmentOutput:
+    hidden: torch.Tensor  # [T, D] last hidden state (before the final norm), concatenated
+    new_k: list[torch.Tensor]  # per attention layer [T, H, Dh]
+    new_v: list[torch.Tensor]
+    states: SegmentStates  # final states per segment
+    captured: dict[tuple[int, int], SegmentStates]  # (segment, k) -> states after k tokens, B=1
+
+
+class HybridLM(nn.Module):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.layers = nn.ModuleList(Block(cfg, t) for t in cfg.layer_types)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mtp = MTPHead(cfg) if cfg.num_nextn_predict_layers else None
+
+    # ----- training -------------------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(hidden) @ self.embed.weight.T
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.mtp is not None
+        return self.mtp.final_norm(hidden) @ self.embed.weight.T
+
+    def forward_train(self, ids: torch.Tensor):
+        """ids [B, L] -> (target logits [B, L, V], draft logits [B, L-1, V] for token s+2)."""
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer.forward_train(x)
+        logits = self.logits(x)
+        draft = None
+        if self.mtp is not None:
+            d = self.mtp.forward_train(x[:, :-1].detach(), self.embed(ids[:, 1:]))
+            draft = self.draft_logits(d)
+        return logits, draft
+
+    # ----- serving ----------------------------------------------------------------------------
+    def recurrent_mixers(self) -> list[RecurrentMixer]:
+        return [self.layers[i].mixer for i in self.cfg.recurrent_layers]
+
+    def forward_segments(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: list[int],
+        kv: KVAccess,
+        states: SegmentStates,
+        capture: list[tuple[int, int]] = (),
+    ) -> SegmentOutput:
+        """Run B segments (one per request) continuing from their states.
+
+        ids, positions: [T] concatenated tokens of all segments (T = sum(lengths)); ``kv`` stores
+        each attention layer's new keys and values and returns every segment's full keys and
+        values (see :class:`KVAccess`);
+        ``states`` are the recurrent states each segment starts from. ``capture`` lists
+        (segment, k) pairs whose states after k tokens are returned as well.
+        """
+        x = self.embed(ids)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        new_k, new_v, conv_out, ssm_out = [], [], [], []
+        captured: dict[tuple[int, int], SegmentStates] = {c: SegmentStates([], []) for c in capture}
+        r = 0
+        for layer in self.layers:
+            h = layer.norm1(x)
+            if layer.kind == "attention":
+                q, k, v = layer.mixer.project(h, positions)
+                keys, vals = kv.store(len(new_k), k, v)
+                new_k.append(k)
+                new_v.append(v)
+                out = Attention.attend_batch(
+                    _pad_segments(q.flatten(1), offsets).unflatten(-1, q.shape[1:]),
+                    keys, vals, kv.past_lens)
+                mixed = layer.mixer.o(_unpad_segments(out, lengths))
+            else:
+                res = layer.mixer.scan(_pad_segments(h, offsets), lengths, states.conv[r],
+                                       states.ssm[r], list(capture))
+                mixed = _unpad_segments(res.out, lengths)
+                conv_out.append(res.conv)
+                ssm_out.append(res.ssm)
+                for key, (c, st) in res.captured.items():
+                    captured[key].conv.append(c[None])
+                    captured[key].ssm.append(st[None])
+                r += 1
+            x = x + mixed
+            x = x + layer.mlp(layer.norm2(x))
+        return SegmentOutput(x, new_k, new_v, SegmentStates(conv_out, ssm_out), captured)
+
+    def draft_segments(self, hidden: torch.Tensor, next_ids: torch.Tensor, lengths: list[int],
+                       states: SegmentStates, capture: list[tuple[int, int]] = ()):
+        """MTP head over pairs (hidden_s, token_{s+1}) -> (draft hidden [T, D], states, captured)."""
+        assert self.mtp is not None
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        x = self.mtp.fuse(hidden, self.embed(next_ids))
+        block = self.mtp.block
+        res = block.mixer.scan(_pad_segments(block.norm1(x), offsets), lengths, states.conv[0],
+                               states.ssm[0], list(capture))
+        x = x + _unpad_segments(res.out, lengths)
+        x = x + block.mlp(block.norm2(x))
+        captured = {key: SegmentStates([c[None]], [s[None]]) for key, (c, s) in res.captured.items()}
+        return x, SegmentStates([res.conv], [res.ssm]), captured
+
+
+def _pad_segments(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+    big_l = max(lengths)
+    if all(n == big_l for n in lengths):
+        return x.view(len(lengths), big_l, -1)
+    out = x.new_zeros(len(lengths), big_l, x.shape[-1])
+    for b, n in enumerate(lengths):
+        out[b, :n] = x[offsets[b]: offsets[b] + n]
+    return out
+
+
+def _unpad_segments(y: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    if all(n == y.shape[1] for n in lengths):
+        return y.reshape(-1, y.shape[-1])
+    return torch.cat([y[b, :n] for b, n in enumerate(lengths)])
+
+
+def load_model(path: str | Path) -> HybridLM:
+    """Load a model directory (config.json + model.safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file}: no config.json in the model directory")
+    cfg = HybridConfig.from_json(json.loads(cfg_file.read_text()))
+    model = HybridLM(cfg)
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
+    model.eval()
+    return model
+
+
+def save_model(model: HybridLM, path: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.cfg.to_json(), indent=2) + "\n")
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,128 @@
+"""Start an engine server as a child process group, wait until it serves, and take it down.
+
+Used for the embedded engine now, and for SGLang servers by the harness: the command is an argument
+list (never a shell string), the process gets a process group of its own so teardown kills every
+process it started, and the environment drops SGLang's simulated-acceptance switches, which make a
+server produce wrong text on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+SCRUBBED_ENV_PREFIXES = ("SGLANG_SIMULATE_ACC",)
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or did not become healthy in time; the message carries its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def embedded_command(port: int, flags: Sequence[str] = (), python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "evalsvc.engines.embedded", "--port", str(port),
+            *flags]
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV_PREFIXES)}
+    env.update(extra or {})
+    return env
+
+
+class EngineProcess:
+    """A running engine server. Use as a context manager; ``stop`` is idempotent."""
+
+    def __init__(self, argv: Sequence[str], port: int, *, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, startup_timeout: float = 120.0,
+                 host: str = "127.0.0.1") -> None:
+        self.argv = list(argv)
+        self.port = port
+        self.env = clean_env(env)
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.base_url = f"http://{host}:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+        self._log = None
+
+    def __enter__(self) -> EngineProcess:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            out = self._log
+        else:
+            out = subprocess.DEVNULL
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        deadline = self._t0 + self.startup_timeout
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise EngineStartError(f"engine exited with code {code} during start-up"
+                                           f"{self._tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.base_url}/health_generate").status_code == 200:
+                        self.startup_seconds = time.monotonic() - self._t0
+                        return
+                if time.monotonic() > deadline:
+                    raise EngineStartError(f"engine not healthy after {self.startup_timeout:.0f} s"
+                                           f"{self._tail()}")
+                time.sleep(0.1)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM the process group, then SIGKILL what is left after ``grace`` seconds."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group, if any
+        proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return proc.returncode
+
+    def _tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return "; log tail:\n" + "\n".join(text)
