@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 
@@ -27,5 +28,14 @@ def main(argv: list[str]) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+
+    def exit_after_shutdown(signum, frame) -> None:
+        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then restores the previous handlers and
+        # raises the signal again; without this handler the process would die by it (-15) after a
+        # clean shutdown. A signal before uvicorn installs its handlers ends the process the same way.
+        raise SystemExit(0 if app.state.engine.failed is None else 1)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, exit_after_shutdown)
     server.run()
     return 0 if app.state.engine.failed is None else 1

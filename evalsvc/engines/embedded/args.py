@@ -284,6 +284,8 @@ def _resolve_speculative(args: EngineArgs, config: dict) -> None:
     if args.speculative_eagle_topk != 1:
         raise ArgError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: the embedded "
                        "engine drafts a chain (top-k 1) only")
+    if args.speculative_num_draft_tokens is None:
+        args.speculative_num_draft_tokens = args.speculative_num_steps + 1
     if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
         args.warnings.append("speculative_num_draft_tokens is adjusted to speculative_num_steps + "
                              "1 when speculative_eagle_topk == 1")

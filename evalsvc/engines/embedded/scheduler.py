@@ -465,15 +465,16 @@ class Scheduler:
             self.tree.unlock(node)
             return False
         if match is not None and match.length:
-            self._load_back(match, batch)
+            state_from_host = self._load_back(match, batch)
             prefix = match.device_indices()
             req.branching = self._branching(req, match)
+            # as SGLang counts it: a state loaded from the host makes a host hit of at least 1
+            req.host_cached_tokens = max(match.host_tokens, int(state_from_host))
         req.last_node = node
         req.kv = prefix
         req.cache_protected_len = len(prefix)
         req.processed = req.scheduled = len(prefix)
         req.cached_tokens = len(prefix)
-        req.host_cached_tokens = match.host_tokens if match else 0
         req.reserved = need_kv
         req.slot = self._alloc_state()
         req.track_slots = [self._alloc_state() for _ in range(self.n_track)]
@@ -504,8 +505,9 @@ class Scheduler:
         aligned = pos // MAMBA_CACHE_CHUNK_SIZE * MAMBA_CACHE_CHUNK_SIZE
         return aligned if aligned > match.length else None
 
-    def _load_back(self, match, batch: ScheduleBatch) -> None:
-        """HiCache hit: bring host-only KV and state of the matched path back to the device."""
+    def _load_back(self, match, batch: ScheduleBatch) -> bool:
+        """HiCache hit: bring host-only KV and state of the matched path back to the device.
+        Returns whether the state came from the host."""
         for node in match.path:
             if not node.on_device:
                 dev = self._alloc_kv(len(node.key))
@@ -516,6 +518,8 @@ class Scheduler:
             node.mamba = self._alloc_state()
             batch.state_loads.append((node.host_mamba, node.mamba))
             self.stats.host_loads += 1
+            return True
+        return False
 
     def _schedule_extend(self, batch: ScheduleBatch, req: Req, budget: int) -> int:
         start = req.scheduled
@@ -656,6 +660,7 @@ class Scheduler:
                 self._finish(req)
             elif launch.mode == "extend" and req.processed == req.prompt_len:
                 self._cache_unfinished(req)
+        self.running.reqs = [r for r in self.running.reqs if not r.finished]
         if launch.mode == "extend" and not self.overlap:
             self._merge_finished_prefills()
 

@@ -124,8 +124,14 @@ class RequestError(ValueError):
     pass
 
 
-def _item(value: Any, i: int, batch: bool) -> Any:
-    return value[i] if batch and isinstance(value, list) else value
+def _item(value: Any, i: int, n: int, batch: bool, name: str) -> Any:
+    """The i-th request's value of a field that is either one value or one per batch item."""
+    if not isinstance(value, list):
+        return value
+    if not batch or len(value) != n:
+        raise RequestError(f"{name}: {len(value)} values for "
+                           + (f"a batch of {n}" if batch else "a single request"))
+    return value[i]
 
 
 def normalize(body: GenerateReqIn, vocab_size: int, encode) -> tuple[list[GenerateInput], bool]:
@@ -179,16 +185,22 @@ def normalize(body: GenerateReqIn, vocab_size: int, encode) -> tuple[list[Genera
             rid = uuid.uuid4().hex
         tids = body.token_ids_logprob
         if tids is not None and tids and isinstance(tids[0], list):
+            if len(tids) != n:
+                raise RequestError(f"token_ids_logprob: {len(tids)} lists for a batch of {n}")
             tids = tids[i]
-        start = _item(body.logprob_start_len, i, batch)
+        bad = [t for t in tids or [] if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"token_ids_logprob: token id {bad[0]} is outside the model's "
+                               f"vocabulary (size {vocab_size})")
+        start = _item(body.logprob_start_len, i, n, batch, "logprob_start_len")
         if start < -1:
             raise RequestError(f"logprob_start_len: {start} must be -1 or a position >= 0")
-        top = _item(body.top_logprobs_num, i, batch)
+        top = _item(body.top_logprobs_num, i, n, batch, "top_logprobs_num")
         if top < 0:
             raise RequestError(f"top_logprobs_num: {top} must not be negative")
         out.append(GenerateInput(
             rid=rid, input_ids=toks, sampling=sp,
-            return_logprob=bool(_item(body.return_logprob, i, batch)),
+            return_logprob=bool(_item(body.return_logprob, i, n, batch, "return_logprob")),
             logprob_start_len=start, top_logprobs_num=top, token_ids_logprob=tids or None,
             return_text_in_logprobs=body.return_text_in_logprobs))
     return out, batch

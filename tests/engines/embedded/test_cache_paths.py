@@ -1,0 +1,120 @@
+"""With no defect, every cache path gives the numbers of a cold recompute.
+
+For every combination of Mamba strategy, overlap, chunked prefill, HiCache and MTP that the flag
+validation allows, and for both model families: prompt logprobs after a prefill hit, a decode hit
+and (HiCache) a host-tier hit equal those of a cold recompute after /flush_cache (max |diff| < 1e-5,
+float32), ``cached_tokens`` proves each hit, and greedy output equals that of a plain engine (no
+cache, no MTP) token for token.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from .conftest import FAMILIES, LocalEngine, Probe, token_prompts
+
+TOL = 1e-5
+CHUNK = 64
+DECODE_TOKENS = 72  # past one --mamba-track-interval 64 boundary
+
+
+def valid_configs():
+    for strategy, overlap, chunked, hicache, mtp in itertools.product(
+            ["no_buffer", "extra_buffer"], [False, True], [False, True], [False, True],
+            [False, True]):
+        if overlap and (strategy == "no_buffer" or mtp):
+            continue  # refused (no_buffer) or turned off at start (MTP on CPU)
+        yield strategy, overlap, chunked, hicache, mtp
+
+
+def config_id(cfg) -> str:
+    strategy, overlap, chunked, hicache, mtp = cfg
+    return "-".join([strategy, "overlap" if overlap else "sync", f"chunk{CHUNK}" if chunked
+                     else "nochunk", "hicache" if hicache else "device", "mtp" if mtp else "plain"])
+
+
+def config_flags(model: str, cfg, longest: int) -> list[str]:
+    strategy, overlap, chunked, hicache, mtp = cfg
+    flags = ["--model-path", model, "--mamba-radix-cache-strategy", strategy, "--random-seed", "0",
+             "--mamba-track-interval", "64", "--chunked-prefill-size", str(CHUNK if chunked else -1)]
+    if not overlap:
+        flags.append("--disable-overlap-schedule")
+    if hicache:
+        flags += ["--enable-hierarchical-cache", "--hicache-ratio", "4",
+                  "--max-total-tokens", str(int(2.5 * longest) + 200),
+                  "--max-mamba-cache-size", "16", "--max-running-requests", "4"]
+    if mtp:
+        flags += ["--speculative-algorithm", "NEXTN"]
+    return flags
+
+
+def run_cache_paths(eng: LocalEngine, prompts: list[list[int]],
+                    hicache: bool) -> tuple[list[Probe], list[int]]:
+    """Seed, hit, and recompute cold; returns the probes and the greedy turn-1 output."""
+    p, q, b = prompts[0], prompts[1][:80], prompts[2]
+    partial = p[: len(p) * 3 // 5] + prompts[3][:40]
+    eng.one(p, "seed")
+    if hicache:  # push the seeded prefix out of the device pools, into the host tier
+        for i, other in enumerate(prompts[4:9]):
+            eng.one(other, f"pressure{i}")
+    hit = eng.one(p + q, "hit", logprob_start_len=len(p), max_new_tokens=8)
+    part = eng.one(partial, "partial", logprob_start_len=len(p) * 3 // 5, max_new_tokens=8)
+    turn1 = eng.one(b, "turn1", max_new_tokens=DECODE_TOKENS)
+    t2 = b + turn1.output_ids + q[:16]
+    turn2_start = len(b) + len(turn1.output_ids)
+    turn2 = eng.one(t2, "turn2", logprob_start_len=turn2_start, max_new_tokens=8)
+    cold = []
+    for name, ids, start in [("cold-hit", p + q, len(p)), ("cold-partial", partial, len(p) * 3 // 5),
+                             ("cold-turn2", t2, turn2_start)]:
+        eng.flush()
+        cold.append(eng.one(ids, name, logprob_start_len=start, max_new_tokens=8))
+    probes = []
+    for name, h, c, seed in zip(["prefill_hit", "partial_hit", "decode_hit"], [hit, part, turn2],
+                                cold, [len(p), len(p), len(b)], strict=True):
+        assert c.cached_tokens == 0, f"{name}: the cold recompute hit the cache"
+        probes.append(Probe(name, h.prompt_len, seed, h.cached_tokens, h.host_cached_tokens,
+                            h.input_logprobs + h.output_logprobs,
+                            c.input_logprobs + c.output_logprobs, h.output_ids, c.output_ids))
+    return probes, turn1.output_ids
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """A plain engine per family (no radix cache, no overlap, no MTP) and its greedy outputs."""
+    engines = {m: LocalEngine(["--model-path", m, "--disable-radix-cache",
+                               "--disable-overlap-schedule", "--random-seed", "0"]) for m in FAMILIES}
+    memo: dict = {}
+
+    def greedy(model: str, ids: list[int]) -> list[int]:
+        key = (model, tuple(ids))
+        if key not in memo:
+            memo[key] = engines[model].one(ids, "plain", max_new_tokens=DECODE_TOKENS).output_ids
+        return memo[key]
+
+    yield engines, greedy
+    for eng in engines.values():
+        eng.close()
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("cfg", list(valid_configs()), ids=config_id)
+def test_cache_hits_equal_cold_recompute(model, cfg, plain, demo_prompts, engine_factory):
+    engines, greedy_plain = plain
+    prompts = token_prompts(engines[model].tok, demo_prompts)
+    longest = max(len(x) for x in prompts)
+    eng = engine_factory(config_flags(model, cfg, longest))
+    probes, greedy = run_cache_paths(eng, prompts, hicache=cfg[3])
+    by_name = {p.name: p for p in probes}
+    for probe in probes:
+        assert probe.max_diff < TOL, f"{probe.name}: max |logprob diff| {probe.max_diff:.2e}"
+        assert probe.hit_out == probe.cold_out, f"{probe.name}: greedy output differs from cold"
+    prefill, decode = by_name["prefill_hit"], by_name["decode_hit"]
+    assert prefill.cached > 0, "the prefill-hit request did not hit the cache"
+    assert decode.cached > len(prompts[2]) + 1, f"decode hit too short: {decode.cached}"
+    if cfg[0] == "extra_buffer":  # snapshots land on chunk-aligned / track-interval lengths
+        assert prefill.cached % 64 == 0 and decode.cached % 64 == 0
+    if cfg[3]:
+        assert prefill.host_cached > 0, "the hit did not come from the host tier"
+    assert greedy == greedy_plain(model, prompts[2]), "greedy output differs from the plain engine's"

@@ -1,0 +1,70 @@
+"""The ``evalsvc`` command line: ``evalsvc engine`` passes its flags through to the embedded engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from evalsvc.engines.launch import EngineProcess, clean_env, free_port
+
+CLI = [sys.executable, "-m", "evalsvc.cli"]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in clean_env().items() if k != "EVALSVC_ENGINE_DEFECTS"}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, env=_env())
+
+
+def test_engine_help_lists_the_engine_flags():
+    res = run_cli("engine", "--help")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: evalsvc engine")
+    for flag in ("--mamba-radix-cache-strategy", "--disable-overlap-schedule", "--model-path",
+                 "--speculative-algorithm", "--enable-hierarchical-cache", "--inject-defect"):
+        assert flag in res.stdout
+
+
+def test_engine_unknown_flag_exits_2_naming_it():
+    res = run_cli("engine", "--bogus")
+    assert res.returncode == 2
+    assert "--bogus" in res.stderr
+    assert "unrecognized arguments" in res.stderr
+
+
+def test_engine_refused_combination_exits_2():
+    res = run_cli("engine", "--mamba-radix-cache-strategy", "no_buffer")
+    assert res.returncode == 2
+    assert "--disable-overlap-schedule" in res.stderr
+
+
+def test_top_level_help_lists_the_commands():
+    res = run_cli("--help")
+    assert res.returncode == 0, res.stderr
+    assert "engine" in res.stdout
+    assert "demo" in res.stdout
+
+
+@pytest.mark.slow
+def test_engine_command_serves_with_the_flags_given(tmp_path):
+    port = free_port()
+    argv = [*CLI, "engine", "--port", str(port), "--disable-overlap-schedule", "--random-seed", "7"]
+    with EngineProcess(argv, port, env=_env(), log_path=tmp_path / "engine.log",
+                       startup_timeout=60) as eng:
+        with httpx.Client(base_url=eng.base_url, timeout=60) as c:
+            info = c.get("/server_info").json()
+            assert info["port"] == port
+            assert info["disable_overlap_schedule"] is True
+            assert info["mamba_radix_cache_strategy"] == "no_buffer"
+            assert info["random_seed"] == 7
+            out = c.post("/generate", json={"text": "def f():",
+                                            "sampling_params": {"max_new_tokens": 3,
+                                                                "ignore_eos": True}})
+            assert out.status_code == 200
+            assert out.json()["meta_info"]["completion_tokens"] == 3
+        assert eng.stop() == 0  # SIGTERM through the CLI: a clean exit
