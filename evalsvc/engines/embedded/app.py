@@ -27,7 +27,14 @@ def main(argv: list[str]) -> int:
     app = create_app(args, started)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    engine = app.state.engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            engine.close()  # abort what is running so open requests answer (503) at once
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
 
     def exit_after_shutdown(signum, frame) -> None:
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then restores the previous handlers and

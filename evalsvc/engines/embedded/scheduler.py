@@ -284,7 +284,7 @@ class Scheduler:
                 self._abort_all("internal error in the embedded engine (see its log)")
                 last = None
             self._update_gauges()
-        self._abort_all("server shutting down")
+        self._abort_all("the server is shutting down", status=503)
 
     def _idle(self) -> bool:
         return (not self.waiting and not self.running.reqs and self.chunked_req is None
@@ -533,10 +533,11 @@ class Scheduler:
             rid=req.key, slot=req.slot, start=start, kv_past=req.kv[:start], kv_new=kv_new,
             input_ids=req.origin[start:end], sample=final and req.sp.max_new_tokens > 0,
             sampling=self._sampling(req), next_ids=req.origin[start + 1: end + 1])
-        if req.inp.return_logprob and req.logprob_start_len < req.prompt_len:
-            view.logprob_from = req.logprob_start_len
+        if req.inp.return_logprob:
             view.top_logprobs_num = req.inp.top_logprobs_num
             view.token_ids_logprob = req.inp.token_ids_logprob
+            if req.logprob_start_len < req.prompt_len:
+                view.logprob_from = req.logprob_start_len
         if self.strategy == "extra_buffer":
             self._plan_prefill_track(req, view, start, end)
         batch.reqs.append(req)
@@ -816,7 +817,7 @@ class Scheduler:
             return req.last_track
         return None
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, message: str, status: int = 500) -> None:
         reqs = list(self.waiting) + list(self.running.reqs) + list(self.to_merge)
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
@@ -826,7 +827,7 @@ class Scheduler:
         for req in reqs:
             if not req.finished:
                 req.error = message
-                req.finished_reason = {"type": "abort", "message": message, "status_code": 500}
+                req.finished_reason = {"type": "abort", "message": message, "status_code": status}
                 req.done(req)
         self.tree.reset()
         self.kv.slots.clear()

@@ -165,7 +165,7 @@ def normalize(body: GenerateReqIn, vocab_size: int, encode) -> tuple[list[Genera
     for i in range(n):
         toks = list(ids[i])
         if not toks:
-            raise RequestError("input_ids cannot be empty.")
+            raise RequestError("text/input_ids: the prompt is empty (input_ids cannot be empty)")
         bad = [t for t in toks if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"input_ids: token id {bad[0]} is outside the model's vocabulary "
@@ -298,6 +298,7 @@ class Engine:
         self.failed: str | None = None
         self.scheduler: Scheduler | None = None
         self.startup_time: float | None = None
+        self.closed = False
 
     def load(self) -> None:
         try:
@@ -341,7 +342,8 @@ class Engine:
         return list(await asyncio.gather(*futures))
 
     def close(self) -> None:
-        if self.scheduler is not None:
+        if self.scheduler is not None and not self.closed:
+            self.closed = True
             self.scheduler.stop()
 
 

@@ -79,6 +79,10 @@ def unique_prompt(body: str) -> str:
     return f"# {uuid.uuid4().hex}\n{body}"
 
 
+def log_tail(eng: EngineProcess, lines: int = 40) -> str:
+    return "\n".join(eng.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
 def engine_pids_with_port(port: int) -> list[int]:
     needle = f"--port\0{port}\0".encode()
     pids = []
@@ -137,7 +141,7 @@ def test_sigterm_exits_zero_and_leaves_no_process(tmp_path: Path):
         os.kill(pid, signal.SIGTERM)
         code = eng.proc.wait(timeout=10)
         took = time.monotonic() - t0
-        assert code == 0, eng._tail()
+        assert code == 0, log_tail(eng)
         assert took < 5.0
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
@@ -146,22 +150,21 @@ def test_sigterm_exits_zero_and_leaves_no_process(tmp_path: Path):
 
 @pytest.mark.slow
 def test_sigterm_with_a_request_in_flight_exits_zero_promptly(tmp_path: Path):
-    with new_engine(tmp_path) as eng:
-        with _client(eng) as c, ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(c.post, "/generate",
-                              json={"text": SHORT_PROMPT, "sampling_params": greedy(20000)})
-            wait_until(lambda: metric(c.get("/metrics").text,
-                                      'sglang:num_running_reqs') >= 1, 30, "the request to run")
-            t0 = time.monotonic()
-            os.kill(eng.proc.pid, signal.SIGTERM)
-            code = eng.proc.wait(timeout=20)
-            took = time.monotonic() - t0
-            # the in-flight request gets an answer (an error or a cut connection), never hangs
-            exc = fut.exception(timeout=10)
-            if exc is None:
-                assert fut.result().status_code != 200
-        assert code == 0, eng._tail()
-        assert took < 10.0  # uvicorn's graceful shutdown is 5 s
+    with new_engine(tmp_path) as eng, _client(eng) as c, ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(c.post, "/generate",
+                          json={"text": SHORT_PROMPT, "sampling_params": greedy(20000)})
+        wait_until(lambda: metric(c.get("/metrics").text, "sglang:num_running_reqs") >= 1,
+                   30, "the request to run")
+        t0 = time.monotonic()
+        os.kill(eng.proc.pid, signal.SIGTERM)
+        code = eng.proc.wait(timeout=20)
+        took = time.monotonic() - t0
+        # the in-flight request is aborted and answered at once, not cut after a grace period
+        resp = fut.result(timeout=10)
+        assert resp.status_code == 503
+        assert "shutting down" in resp.json()["error"]["message"]
+        assert code == 0, log_tail(eng)
+        assert took < 5.0
         with pytest.raises(ProcessLookupError):
             os.killpg(eng.proc.pid, 0)
 
@@ -301,9 +304,6 @@ def test_top_logprobs_three_per_position_sorted_descending(client: httpx.Client)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="scheduler bug: with the default logprob_start_len the prefill "
-                   "view gets no top_logprobs_num/token_ids_logprob, so the first output token has "
-                   "no top/ids logprobs")
 def test_output_top_and_ids_logprobs_cover_every_token_with_default_start(client: httpx.Client):
     out = generate(client, text=SHORT_PROMPT, sampling_params=greedy(4), return_logprob=True,
                    top_logprobs_num=3, token_ids_logprob=[97, 98])
@@ -463,7 +463,7 @@ def test_malformed_request_gets_400_naming_the_field(client: httpx.Client, reque
 
 @pytest.mark.slow
 def test_a_bad_request_does_not_disturb_one_in_flight(client: httpx.Client):
-    n = 200
+    n = 150
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(client.post, "/generate",
                           json={"text": SHORT_PROMPT, "sampling_params": greedy(n)})
@@ -472,6 +472,7 @@ def test_a_bad_request_does_not_disturb_one_in_flight(client: httpx.Client):
                    30, "the long request to run")
         bad = client.post("/generate", json={"text": "a", "return_logprob": True,
                                              "token_ids_logprob": [1000]})
+        assert not fut.done(), "the long request finished before the bad one; make it longer"
         good = fut.result(timeout=HTTP_TIMEOUT)
     assert bad.status_code == 400
     assert good.status_code == 200, good.text
@@ -496,7 +497,7 @@ def test_flush_cache_when_idle_succeeds_and_empties_the_prefix_cache(client: htt
 
 @pytest.mark.slow
 def test_flush_cache_is_refused_while_a_request_runs(client: httpx.Client):
-    n = 400
+    n = 200
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(generate, client, text=SHORT_PROMPT, sampling_params=greedy(n))
         wait_until(lambda: fut.done() or metric(client.get("/metrics").text,
@@ -556,8 +557,8 @@ def test_server_info_without_overlap_resolves_no_buffer(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_nextn_speculative_decoding_reports_acceptance(tmp_path: Path,
-                                                       long_prompt: str):
+def test_nextn_speculative_decoding_reports_acceptance(tmp_path: Path, long_prompt: str,
+                                                       client: httpx.Client):
     with new_engine(tmp_path, ["--speculative-algorithm", "NEXTN"]) as eng, _client(eng) as c:
         info = c.get("/server_info").json()
         _check_server_info_shape(info)
@@ -567,7 +568,8 @@ def test_nextn_speculative_decoding_reports_acceptance(tmp_path: Path,
         assert info["speculative_num_draft_tokens"] == 4
         assert info["disable_overlap_schedule"] is True
 
-        out = generate(c, text=long_prompt, sampling_params=greedy(48))
+        prompt = unique_prompt(long_prompt)
+        out = generate(c, text=prompt, sampling_params=greedy(48))
         meta = out["meta_info"]
         assert meta["completion_tokens"] == 48
         verify = meta["spec_verify_ct"]
@@ -586,9 +588,10 @@ def test_nextn_speculative_decoding_reports_acceptance(tmp_path: Path,
         state = c.get("/server_info").json()["internal_states"][0]
         assert state["avg_spec_accept_length"] > 1.0
 
-        # speculative decoding does not change greedy output
-        plain = generate(c, text=long_prompt, sampling_params=greedy(48))
-        assert plain["output_ids"] == out["output_ids"]
+    # speculative decoding does not change greedy output: the default engine produces the same
+    plain = generate(client, text=prompt, sampling_params=greedy(48))
+    assert "spec_verify_ct" not in plain["meta_info"]
+    assert plain["output_ids"] == out["output_ids"]
 
 
 # ---- /metrics ------------------------------------------------------------------------------------
