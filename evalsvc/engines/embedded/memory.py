@@ -65,6 +65,7 @@ class PoolKV:
 
     def __init__(self, pool: KVPool, past: list[torch.Tensor], new: list[torch.Tensor]) -> None:
         self.pool = pool
+        self.past, self.new = past, new
         self.past_lens = [len(p) for p in past]
         self.new_idx = torch.cat(new)
         rows = [torch.cat([p, n]) for p, n in zip(past, new, strict=True)]
@@ -72,6 +73,10 @@ class PoolKV:
         self.rows = torch.zeros(len(rows), width, dtype=torch.long)  # 0: a padding slot
         for b, r in enumerate(rows):
             self.rows[b, : len(r)] = r
+
+    def step(self, b: int, t: int) -> PoolKV:
+        return PoolKV(self.pool, [torch.cat([self.past[b], self.new[b][:t]])],
+                      [self.new[b][t: t + 1]])
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         kp, vp = self.pool.k[layer], self.pool.v[layer]

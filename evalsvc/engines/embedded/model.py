@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +37,32 @@ import torch.nn.functional as F
 from torch import nn
 
 FAMILIES = ("mamba2", "gated_deltanet")
+_mode = threading.local()
+
+
+@contextmanager
+def batch_invariant(on: bool = True):
+    """Within this block (on this thread) the serving forward runs one request and one token at a
+    time, so every number depends only on the token's own history: not on what else is batched,
+    how a prompt is chunked, or whether a prefix came from the cache (elementwise kernels round
+    the tail of a tensor differently from its body, so shapes must not vary). This is the embedded
+    engine's ``--enable-deterministic-inference``; a cache hit then gives bit-identical logprobs."""
+    old = getattr(_mode, "invariant", False)
+    _mode.invariant = on
+    try:
+        yield
+    finally:
+        _mode.invariant = old
+
+
+def _invariant() -> bool:
+    return getattr(_mode, "invariant", False)
+
+
+def _rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    if not _invariant() or x.dim() != 2:
+        return fn(x)
+    return torch.cat([fn(x[i: i + 1]) for i in range(x.shape[0])])
 
 
 @dataclass
@@ -469,6 +497,9 @@ class KVAccess(Protocol):
 
     past_lens: list[int]  # cached positions of each segment
 
+    def step(self, b: int, t: int) -> KVAccess:
+        """The same store, for token t of segment b alone (earlier tokens become its past)."""
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Keep the new k, v ([T, H, Dh], segments concatenated) of attention layer ``layer``;
         return that layer's keys and values per segment, past then new, right-padded:
@@ -481,6 +512,15 @@ class SegmentStates:
 
     conv: list[torch.Tensor]
     ssm: list[torch.Tensor]
+
+
+    def select(self, b: int) -> SegmentStates:
+        return SegmentStates([c[b: b + 1] for c in self.conv], [s[b: b + 1] for s in self.ssm])
+
+    @staticmethod
+    def concat(parts: list[SegmentStates]) -> SegmentStates:
+        return SegmentStates([torch.cat(c) for c in zip(*(p.conv for p in parts), strict=True)],
+                             [torch.cat(s) for s in zip(*(p.ssm for p in parts), strict=True)])
 
 
 @dataclass
@@ -504,11 +544,11 @@ class HybridLM(nn.Module):
 
     # ----- training -------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.final_norm(hidden) @ self.embed.weight.T
+        return _rowwise(lambda h: self.final_norm(h) @ self.embed.weight.T, hidden)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.mtp is not None
-        return self.mtp.final_norm(hidden) @ self.embed.weight.T
+        return _rowwise(lambda h: self.mtp.final_norm(h) @ self.embed.weight.T, hidden)
 
     def forward_train(self, ids: torch.Tensor):
         """ids [B, L] -> (target logits [B, L, V], draft logits [B, L-1, V] for token s+2)."""
@@ -543,10 +583,12 @@ class HybridLM(nn.Module):
         ``states`` are the recurrent states each segment starts from. ``capture`` lists
         (segment, k) pairs whose states after k tokens are returned as well.
         """
-        x = self.embed(ids)
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
+        if _invariant() and lengths != [1]:
+            return self._token_by_token(ids, positions, lengths, offsets, kv, states, capture)
+        x = self.embed(ids)
         new_k, new_v, conv_out, ssm_out = [], [], [], []
         captured: dict[tuple[int, int], SegmentStates] = {c: SegmentStates([], []) for c in capture}
         r = 0
@@ -575,6 +617,21 @@ class HybridLM(nn.Module):
             x = x + layer.mlp(layer.norm2(x))
         return SegmentOutput(x, new_k, new_v, SegmentStates(conv_out, ssm_out), captured)
 
+    def _token_by_token(self, ids, positions, lengths, offsets, kv, states, capture):
+        outs = []
+        for b, n in enumerate(lengths):
+            st, steps = states.select(b), []
+            for t in range(n):
+                i = offsets[b] + t
+                out = self.forward_segments(ids[i: i + 1], positions[i: i + 1], [1], kv.step(b, t),
+                                            st, [(0, 1)] if (b, t + 1) in capture else [])
+                st = out.states
+                if out.captured:
+                    out.captured = {(0, t + 1): out.captured[(0, 1)]}
+                steps.append(out)
+            outs.append(_merge_steps(steps, st))
+        return _merge(outs)
+
     def draft_segments(self, hidden: torch.Tensor, next_ids: torch.Tensor, lengths: list[int],
                        states: SegmentStates, capture: list[tuple[int, int]] = ()):
         """MTP head over pairs (hidden_s, token_{s+1}) -> (draft hidden [T, D], states, captured)."""
@@ -582,6 +639,19 @@ class HybridLM(nn.Module):
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
+        if _invariant() and lengths != [1]:
+            hid, finals, captured = [], [], {}
+            for b, n in enumerate(lengths):
+                st = states.select(b)
+                for t in range(n):
+                    i = offsets[b] + t
+                    h, st, cap = self.draft_segments(hidden[i: i + 1], next_ids[i: i + 1], [1], st,
+                                                     [(0, 1)] if (b, t + 1) in capture else [])
+                    hid.append(h)
+                    if cap:
+                        captured[(b, t + 1)] = cap[(0, 1)]
+                finals.append(st)
+            return torch.cat(hid), SegmentStates.concat(finals), captured
         x = self.mtp.fuse(hidden, self.embed(next_ids))
         block = self.mtp.block
         res = block.mixer.scan(_pad_segments(block.norm1(x), offsets), lengths, states.conv[0],
@@ -590,6 +660,26 @@ class HybridLM(nn.Module):
         x = x + block.mlp(block.norm2(x))
         captured = {key: SegmentStates([c[None]], [s[None]]) for key, (c, s) in res.captured.items()}
         return x, SegmentStates([res.conv], [res.ssm]), captured
+
+
+def _merge_steps(steps: list[SegmentOutput], final: SegmentStates) -> SegmentOutput:
+    """One segment's single-token outputs, in order, as one segment's output."""
+    return SegmentOutput(
+        hidden=torch.cat([o.hidden for o in steps]),
+        new_k=[torch.cat(k) for k in zip(*(o.new_k for o in steps), strict=True)],
+        new_v=[torch.cat(v) for v in zip(*(o.new_v for o in steps), strict=True)],
+        states=final,
+        captured={(0, k): v for o in steps for (_, k), v in o.captured.items()})
+
+
+def _merge(outs: list[SegmentOutput]) -> SegmentOutput:
+    """Concatenate single-segment outputs in segment order."""
+    return SegmentOutput(
+        hidden=torch.cat([o.hidden for o in outs]),
+        new_k=[torch.cat(k) for k in zip(*(o.new_k for o in outs), strict=True)],
+        new_v=[torch.cat(v) for v in zip(*(o.new_v for o in outs), strict=True)],
+        states=SegmentStates.concat([o.states for o in outs]),
+        captured={(b, k): v for b, o in enumerate(outs) for (_, k), v in o.captured.items()})
 
 
 def _pad_segments(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:

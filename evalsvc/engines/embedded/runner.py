@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .memory import HostPool, KVPool, StatePool
-from .model import HybridLM, SegmentStates
+from .model import HybridLM, SegmentStates, batch_invariant
 
 GREEDY_EPS = 1e-6
 
@@ -87,13 +87,15 @@ class ReqResult:
 
 class ModelRunner:
     def __init__(self, model: HybridLM, kv: KVPool, states: StatePool, host: HostPool | None,
-                 spec_steps: int = 0, host_load_race: bool = False) -> None:
+                 spec_steps: int = 0, host_load_race: bool = False,
+                 deterministic: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.states = states
         self.host = host
         self.spec_steps = spec_steps
         self.host_load_race = host_load_race
+        self.deterministic = deterministic
         self.last_token: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.forward_count = 0
@@ -101,6 +103,10 @@ class ModelRunner:
     # ---- entry point ----------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> list[ReqResult]:
+        with batch_invariant(self.deterministic):
+            return self._forward(fb)
+
+    def _forward(self, fb: ForwardBatch) -> list[ReqResult]:
         for host_idx, dev_idx in fb.kv_loads:
             self.host.load_kv(self.kv, host_idx, dev_idx)
         if not self.host_load_race:

@@ -226,7 +226,8 @@ class Scheduler:
             self.host = HostPool(self.kv, self.states, tokens, slots)
         self.tree = RadixCache(self, args.hicache_write_policy if self.host else None)
         self.runner = ModelRunner(model, self.kv, self.states, self.host, self.spec_steps,
-                                  host_load_race=Defect.HOST_LOAD_RACE in self.defects)
+                                  host_load_race=Defect.HOST_LOAD_RACE in self.defects,
+                                  deterministic=args.enable_deterministic_inference)
         self.stream = Stream(threaded=self.overlap)
         self.preimages = Preimages(self.states) if self.overlap else None
         self.waiting: deque[Req] = deque()

@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 
-from .conftest import FAMILIES, LocalEngine, Probe, token_prompts
+from .conftest import FAMILIES, LocalEngine, Probe, request, token_prompts
 
 TOL = 1e-5
 CHUNK = 64
@@ -118,3 +118,32 @@ def test_cache_hits_equal_cold_recompute(model, cfg, plain, demo_prompts, engine
     if cfg[3]:
         assert prefill.host_cached > 0, "the hit did not come from the host tier"
     assert greedy == greedy_plain(model, prompts[2]), "greedy output differs from the plain engine's"
+
+
+DETERMINISTIC = [("extra_buffer", True, True, True, False), ("no_buffer", False, True, False, True)]
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("cfg", DETERMINISTIC, ids=config_id)
+def test_deterministic_inference_makes_hits_bit_identical(model, cfg, plain, demo_prompts,
+                                                          engine_factory):
+    engines, _ = plain
+    prompts = token_prompts(engines[model].tok, demo_prompts)
+    flags = [*config_flags(model, cfg, max(len(x) for x in prompts)),
+             "--enable-deterministic-inference"]
+    probes, _ = run_cache_paths(engine_factory(flags), prompts, hicache=cfg[3])
+    for probe in probes:
+        assert probe.max_diff == 0.0, f"{probe.name}: max |diff| {probe.max_diff:.2e}, not bit-exact"
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_deterministic_inference_is_batch_invariant(model, demo_prompts, engine_factory):
+    eng = engine_factory(["--model-path", model, "--enable-deterministic-inference",
+                          "--random-seed", "0"])
+    prompts = [ids[:48] for ids in token_prompts(eng.tok, demo_prompts)[:4]]
+    alone = eng.one(prompts[0], "alone", logprob_start_len=0, max_new_tokens=12)
+    eng.flush()
+    batch = eng.generate([request(f"b{i}", p, logprob_start_len=0, max_new_tokens=12)
+                          for i, p in enumerate(prompts)])[0]
+    assert batch.output_ids == alone.output_ids
+    assert batch.input_logprobs + batch.output_logprobs == alone.input_logprobs + alone.output_logprobs
