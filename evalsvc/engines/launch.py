@@ -27,6 +27,10 @@ class EngineStartError(RuntimeError):
     """The engine exited or did not become healthy in time; the message carries its log tail."""
 
 
+class PortInUseError(EngineStartError):
+    """The engine could not bind its port."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -89,8 +93,11 @@ class EngineProcess:
             while True:
                 code = self.proc.poll()
                 if code is not None:
-                    raise EngineStartError(f"engine exited with code {code} during start-up"
-                                           f"{self._tail()}")
+                    tail = self._tail()
+                    if "address already in use" in tail.lower():
+                        raise PortInUseError(f"port {self.port} is already in use: the engine "
+                                             f"could not bind it{tail}")
+                    raise EngineStartError(f"engine exited with code {code} during start-up{tail}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.base_url}/health_generate").status_code == 200:
                         self.startup_seconds = time.monotonic() - self._t0

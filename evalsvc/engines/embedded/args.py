@@ -17,11 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .defects import ENV_VAR, Defect, parse_defects
+from .paths import DEFAULT_MODEL, shipped_models
 
 log = logging.getLogger("evalsvc.engine")
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "assets" / "models"
-DEFAULT_MODEL = "hybrid-mamba2-tiny"
 MAMBA_CHUNK_SIZE = 64
 STRATEGIES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
 WRITE_POLICIES = ["write_back", "write_through", "write_through_selective"]
@@ -29,10 +28,6 @@ WRITE_POLICIES = ["write_back", "write_through", "write_through_selective"]
 
 class ArgError(ValueError):
     """An invalid flag value or combination; the message names it."""
-
-
-def shipped_models() -> dict[str, Path]:
-    return {p.name: p for p in sorted(MODELS_DIR.iterdir()) if (p / "config.json").is_file()}
 
 
 def resolve_model_path(value: str | None) -> Path:

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from evalsvc.engines.embedded.args import (
-    MODELS_DIR,
     ArgError,
     EngineArgs,
     build_parser,
@@ -15,6 +14,7 @@ from evalsvc.engines.embedded.args import (
     resolve,
 )
 from evalsvc.engines.embedded.defects import ENV_VAR, Defect
+from evalsvc.engines.embedded.paths import MODELS_DIR
 
 MAMBA2 = (MODELS_DIR / "hybrid-mamba2-tiny").resolve()
 GDN = (MODELS_DIR / "hybrid-gdn-tiny").resolve()

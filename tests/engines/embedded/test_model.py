@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evalsvc.engines.embedded.args import MODELS_DIR
 from evalsvc.engines.embedded.memory import KVPool
 from evalsvc.engines.embedded.model import (
     FAMILIES,
@@ -22,6 +21,7 @@ from evalsvc.engines.embedded.model import (
     load_model,
     save_model,
 )
+from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.engines.embedded.tokenizer import TextTokenizer
 
 SHIPPED = ["hybrid-mamba2-tiny", "hybrid-gdn-tiny"]

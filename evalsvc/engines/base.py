@@ -1,0 +1,42 @@
+"""The engine boundary: how a config becomes a running server, for either engine.
+
+Both engines speak SGLang's HTTP API and take SGLang's flags; they differ only in the command that
+starts them. ``EngineSpec`` says which engine (and for SGLang, which python and release).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from evalsvc.engines.launch import EngineProcess, embedded_command
+from evalsvc.engines.sglang_server import build_command, build_flags
+
+
+@dataclass
+class EngineSpec:
+    kind: Literal["embedded", "sglang"] = "embedded"
+    python: str | None = None  # the engine build's python (sglang); default: this one
+    version: str | None = None  # SGLang release the command line is spelled for (None: newest)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout: float = 120.0
+    host: str = "127.0.0.1"
+
+
+def engine_command(spec: EngineSpec, args: dict[str, Any], port: int) -> list[str]:
+    """The argument list that starts a server for ``args`` (SGLang ServerArgs fields)."""
+    python = spec.python or sys.executable
+    if spec.kind == "sglang":
+        return build_command(args, port=port, python=python, version=spec.version, host=spec.host)
+    rest = {k: v for k, v in args.items() if k not in ("model_path", "host", "port")}
+    return embedded_command(port, ["--model-path", str(args["model_path"]), "--host", spec.host,
+                                   *build_flags(rest)], python=python)
+
+
+def launch(spec: EngineSpec, args: dict[str, Any], port: int, log_path: Path | None) -> EngineProcess:
+    """Start a server and wait until it is healthy (raises EngineStartError with the log tail)."""
+    proc = EngineProcess(engine_command(spec, args, port), port, env=spec.env, log_path=log_path,
+                         startup_timeout=spec.startup_timeout, host=spec.host)
+    return proc.__enter__()

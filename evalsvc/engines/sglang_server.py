@@ -1,0 +1,239 @@
+"""SGLang's native HTTP API, as pure functions: command lines, request payloads, response parsers.
+
+Nothing here does I/O. The embedded engine speaks the same API, so both engines share these. Field
+and flag names that moved between SGLang releases are handled here and only here:
+
+* ``--mamba-radix-cache-strategy`` is ``--mamba-scheduler-strategy`` before 0.5.15 (both exist
+  until 0.5.19; 0.5.20 and later only know the new one).
+* speculative counters in ``meta_info``: ``spec_num_correct_drafts`` / ``spec_num_proposed_drafts``
+  / ``spec_correct_drafts_histogram`` (newest), ``spec_accepted_drafts`` / ``spec_proposed_drafts``
+  / ``spec_accept_histogram`` (aliases up to about 0.5.16), ``spec_accept_token_num`` /
+  ``spec_draft_token_num`` (older); ``spec_verify_ct`` everywhere.
+* ``/server_info`` is ``/get_server_info`` on old releases; resolved arguments use the release's
+  field names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from evalsvc.types import Completion, SpecCounters, TopLogprobs
+
+RENAMED_IN = {"mamba_radix_cache_strategy": ((0, 5, 15), "mamba_scheduler_strategy")}
+BOOLEAN_FLAGS = {
+    "disable_radix_cache", "disable_overlap_schedule", "enable_hierarchical_cache",
+    "enable_deterministic_inference", "enable_metrics", "trust_remote_code", "skip_server_warmup",
+}
+SCRUBBED_ENV = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_METHOD")
+
+
+class ResponseError(ValueError):
+    """A server response that cannot be used (malformed, NaN logprobs); the message says why."""
+
+
+def parse_version(version: str | None) -> tuple[int, ...]:
+    """'0.5.8.dev20260129+gf959851eb' -> (0, 5, 8); None (newest) -> a large tuple."""
+    if not version:
+        return (1 << 30,)
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits or not piece[0].isdigit():
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def flag_name(field: str, version: str | None = None) -> str:
+    """The command-line spelling of a ServerArgs field for a given SGLang release."""
+    renamed = RENAMED_IN.get(field)
+    if renamed and parse_version(version) < renamed[0]:
+        field = renamed[1]
+    return "--" + field.replace("_", "-")
+
+
+def build_flags(args: dict[str, Any], version: str | None = None) -> list[str]:
+    """ServerArgs fields -> argv, in a stable order; booleans are store_true flags."""
+    argv: list[str] = []
+    for key in sorted(args):
+        value = args[key]
+        if value is None:
+            continue
+        if key in BOOLEAN_FLAGS or isinstance(value, bool):
+            if value:
+                argv.append(flag_name(key, version))
+            continue
+        argv += [flag_name(key, version), str(value)]
+    return argv
+
+
+def build_command(args: dict[str, Any], *, port: int, python: str, version: str | None = None,
+                  host: str = "127.0.0.1") -> list[str]:
+    """``python -m sglang.launch_server`` with a config's arguments, for a given release."""
+    rest = {k: v for k, v in args.items() if k not in ("model_path", "host", "port")}
+    return [python, "-m", "sglang.launch_server", "--model-path", str(args["model_path"]),
+            "--host", host, "--port", str(port), *build_flags(rest, version)]
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+def build_generate_payload(input_ids: list[int], *, max_new_tokens: int, temperature: float,
+                           seed: int | None = None, logprob_start_len: int = -1,
+                           top_logprobs_num: int = 0, ignore_eos: bool = True,
+                           rid: str | None = None) -> dict[str, Any]:
+    """A ``/generate`` body that asks for logprobs of every generated token."""
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                                "ignore_eos": ignore_eos}
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling,
+                               "return_logprob": True, "logprob_start_len": logprob_start_len}
+    if top_logprobs_num:
+        payload["top_logprobs_num"] = top_logprobs_num
+    if rid is not None:
+        payload["rid"] = rid
+    return payload
+
+
+def build_reference_payload(prompt_ids: list[int], output_ids: list[int], *,
+                            top_logprobs_num: int = 0, rid: str | None = None) -> dict[str, Any]:
+    """SGLang's reference: a teacher-forced prefill of prompt + output (``max_new_tokens=0``,
+    ``logprob_start_len=0``), whose last ``len(output)`` input logprobs are the reference."""
+    payload: dict[str, Any] = {
+        "input_ids": list(prompt_ids) + list(output_ids),
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True, "logprob_start_len": 0}
+    if top_logprobs_num:
+        payload["top_logprobs_num"] = top_logprobs_num
+    if rid is not None:
+        payload["rid"] = rid
+    return payload
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+def _triples(entries: Any, field: str) -> list[tuple[float | None, int]]:
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise ResponseError(f"meta_info.{field}: expected a list, got {type(entries).__name__}")
+    out = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, list | tuple) or len(e) < 2:
+            raise ResponseError(f"meta_info.{field}[{i}]: expected [logprob, token_id, text]")
+        lp, tid = e[0], e[1]
+        if lp is not None and not isinstance(lp, int | float):
+            raise ResponseError(f"meta_info.{field}[{i}]: logprob {lp!r} is not a number")
+        if not isinstance(tid, int):
+            raise ResponseError(f"meta_info.{field}[{i}]: token id {tid!r} is not an integer")
+        out.append((None if lp is None else float(lp), tid))
+    return out
+
+
+def _top(entries: Any, field: str) -> TopLogprobs | None:
+    if entries is None:
+        return None
+    positions = []
+    for i, pos in enumerate(entries):
+        positions.append([] if pos is None else
+                         [(tid, lp) for lp, tid in _triples(pos, f"{field}[{i}]")])
+    return TopLogprobs(positions)
+
+
+def parse_spec_counters(meta: dict[str, Any], draft_tokens: int | None = None) -> SpecCounters | None:
+    """Speculative counters of one response, under any release's names; None without MTP."""
+    verify = meta.get("spec_verify_ct")
+    if not verify:
+        return None
+    correct = _first(meta, "spec_num_correct_drafts", "spec_accepted_drafts")
+    proposed = _first(meta, "spec_num_proposed_drafts", "spec_proposed_drafts")
+    if correct is None and meta.get("spec_accept_token_num") is not None:
+        correct = meta["spec_accept_token_num"]  # oldest: accepted draft tokens
+        proposed = meta.get("spec_draft_token_num", proposed)
+    hist = _first(meta, "spec_correct_drafts_histogram", "spec_accept_histogram")
+    return SpecCounters(verify_ct=int(verify), completion_tokens=int(meta["completion_tokens"]),
+                        correct_drafts=None if correct is None else int(correct),
+                        proposed_drafts=None if proposed is None else int(proposed),
+                        histogram=None if hist is None else [int(x) for x in hist],
+                        draft_tokens=draft_tokens)
+
+
+def _first(meta: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if meta.get(k) is not None:
+            return meta[k]
+    return None
+
+
+def parse_completion(resp: Any, draft_tokens: int | None = None) -> Completion:
+    """A ``/generate`` response (single) -> Completion; refuses NaN or malformed logprobs."""
+    if not isinstance(resp, dict) or "meta_info" not in resp:
+        raise ResponseError("the /generate response has no meta_info")
+    meta = resp["meta_info"]
+    out = _triples(meta.get("output_token_logprobs"), "output_token_logprobs")
+    ids = [tid for _, tid in out]
+    given = resp.get("output_ids")
+    if meta.get("output_token_logprobs") is None and given is not None:
+        ids = list(given)  # no logprobs asked for
+    elif given is not None and list(given) != ids:
+        raise ResponseError("output_ids and output_token_logprobs disagree")
+    lps = []
+    for i, (lp, _) in enumerate(out):
+        if lp is None or not math.isfinite(lp):
+            raise ResponseError(f"meta_info.output_token_logprobs[{i}]: logprob is {lp!r}")
+        lps.append(lp)
+    inputs = [lp for lp, _ in _triples(meta.get("input_token_logprobs"), "input_token_logprobs")]
+    for i, lp in enumerate(inputs):
+        if lp is not None and not math.isfinite(lp):
+            raise ResponseError(f"meta_info.input_token_logprobs[{i}]: logprob is {lp!r}")
+    details = meta.get("cached_tokens_details") or {}
+    return Completion(
+        token_ids=ids, logprobs=lps, prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)), finish_reason=meta.get("finish_reason"),
+        top=_top(meta.get("output_top_logprobs"), "output_top_logprobs"),
+        input_logprobs=inputs, input_top=_top(meta.get("input_top_logprobs"), "input_top_logprobs"),
+        spec=parse_spec_counters(meta, draft_tokens), text=resp.get("text", ""),
+        host_cached_tokens=int(details.get("host", 0) or 0))
+
+
+def parse_server_info(info: dict[str, Any]) -> dict[str, Any]:
+    """Resolved server arguments under the newest field names, plus ``version`` and
+    ``avg_spec_accept_length`` (from ``internal_states[0]``) when present."""
+    if not isinstance(info, dict):
+        raise ResponseError("/server_info did not return a JSON object")
+    out = dict(info)
+    for new, (_, old) in RENAMED_IN.items():
+        if new not in out and old in out:
+            out[new] = out[old]
+    states = info.get("internal_states") or [{}]
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        out["avg_spec_accept_length"] = states[0].get("avg_spec_accept_length")
+    return out
+
+
+def resolved_mismatches(requested: dict[str, Any], resolved: dict[str, Any]) -> list[str]:
+    """Where a server did not run what a config asked for (``auto`` may resolve to anything;
+    ``NEXTN`` is an alias of ``EAGLE``)."""
+    problems = []
+    for key, want in requested.items():
+        if key in ("model_path", "host", "port") or key not in resolved:
+            continue
+        got = resolved[key]
+        if key == "mamba_radix_cache_strategy" and (want == "auto" or requested.get(
+                "disable_radix_cache")):
+            continue
+        if key == "speculative_algorithm" and {str(want).upper(), str(got).upper()} <= {"NEXTN",
+                                                                                       "EAGLE"}:
+            continue
+        if isinstance(want, bool) or isinstance(got, bool):
+            if bool(want) != bool(got):
+                problems.append(f"{key}: asked {want}, server runs {got}")
+        elif isinstance(want, int | float) and isinstance(got, int | float):
+            if float(want) != float(got):
+                problems.append(f"{key}: asked {want}, server runs {got}")
+        elif str(want) != str(got):
+            problems.append(f"{key}: asked {want!r}, server runs {got!r}")
+    if not requested.get("disable_overlap_schedule") and resolved.get("disable_overlap_schedule"):
+        problems.append("disable_overlap_schedule: asked overlap on, server runs it off")
+    return problems

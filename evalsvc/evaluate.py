@@ -1,0 +1,206 @@
+"""A whole matrix on the local machine, one run at a time: what ``evalsvc run`` does.
+
+Loads the matrix and the workload, runs every config through the harness with progress shown,
+and writes ``summary.json`` (a row per config and scenario) and ``samples.parquet`` (a row per
+sample, with token-level logprobs) to the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from evalsvc.engines.base import EngineSpec, engine_command, launch
+from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
+from evalsvc.harness import RunResult, run_config
+from evalsvc.matrix import Config, MatrixFile, expand, make_config
+from evalsvc.scenarios import EngineClient
+from evalsvc.tokenization import TokenizerError, encode, load_tokenizer
+from evalsvc.workloads import load_prompts, workload_version
+
+log = logging.getLogger("evalsvc.evaluate")
+
+
+def prepare(matrix: MatrixFile, spec: EngineSpec, model_override: str | None = None):
+    """(configs, prompts per model key as (id, token ids)) for a matrix and an engine."""
+    if model_override:
+        for entry in matrix.models.values():
+            entry.path = model_override
+    prompts = load_prompts(matrix.workload)
+    version = workload_version(matrix.workload, prompts)
+    hardware = "cpu" if spec.kind == "embedded" else "gpu"
+    configs = expand(matrix, hardware=hardware, workload_version=version,
+                     sglang_version=spec.version if spec.kind == "sglang" else None)
+    return configs, prompts
+
+
+def tokenized(matrix: MatrixFile, spec: EngineSpec, prompts,
+              errors: dict[str, str] | None = None) -> dict[str, list[tuple[str, list[int]]]]:
+    """Prompts as token ids per model key; with ``errors``, a model whose tokenizer cannot be loaded
+    is recorded there (key -> message) instead of raising."""
+    out = {}
+    for key, entry in matrix.models.items():
+        try:
+            tok = load_tokenizer(entry.path, spec.kind)
+        except TokenizerError as exc:
+            if errors is None:
+                raise
+            errors[key] = str(exc)
+            continue
+        out[key] = [(p.id, encode(tok, p.text)) for p in prompts]
+    return out
+
+
+def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]:
+    return [engine_command(spec, c.args, port=30000) for c in configs]
+
+
+def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
+             console: Console | None = None) -> list[RunResult]:
+    console = console or Console()
+    bad_models: dict[str, str] = {}
+    by_model = tokenized(matrix, spec, prompts, errors=bad_models)
+    log_dir = out_dir / "logs"
+    results: list[RunResult] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with References(matrix, spec, log_dir) as references, \
+            Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task(f"matrix {matrix.name}", total=len(configs))
+        for cfg in configs:
+            task = progress.add_task(f"  {cfg.name}", total=len(cfg.scenarios))
+
+            def on_scenario(_cfg, scen, task=task):
+                progress.update(task, advance=1,
+                                description=f"  {_cfg.name}: {scen.scenario} {scen.verdict}")
+
+            if cfg.model in bad_models:  # this config fails; the other models' configs still run
+                result = RunResult(cfg.name, cfg.fingerprint, cfg.model, dict(cfg.settings),
+                                   dict(cfg.args), verdict="error", reason=bad_models[cfg.model])
+            else:
+                try:
+                    reference = references.client(cfg.model)
+                except EngineStartError as exc:
+                    result = RunResult(cfg.name, cfg.fingerprint, cfg.model, dict(cfg.settings),
+                                       dict(cfg.args), verdict="error",
+                                       reason=f"reference server did not start: {exc}")
+                else:
+                    result = run_config(cfg, matrix, spec, by_model[cfg.model], log_dir=log_dir,
+                                        reference=reference, on_scenario=on_scenario)
+                    result.reference = references.describe(cfg.model)
+            progress.update(task, completed=len(cfg.scenarios),
+                            description=f"  {cfg.name}: {result.verdict}")
+            progress.advance(overall)
+            results.append(result)
+    write_outputs(results, out_dir)
+    return results
+
+
+class References:
+    """Reference servers (``reference: {kind: config}``): one per model, started on first use and
+    shared by that model's configs; ``None`` means SGLang's same-server method."""
+
+    def __init__(self, matrix: MatrixFile, spec: EngineSpec, log_dir: Path) -> None:
+        self.matrix, self.spec, self.log_dir = matrix, spec, log_dir
+        self.servers: dict[str, tuple[EngineProcess, EngineClient]] = {}
+        self.described: dict[str, dict[str, Any]] = {}
+
+    def client(self, model: str) -> EngineClient | None:
+        ref = self.matrix.reference
+        if ref.kind != "config":
+            return None
+        if model not in self.servers:
+            cfg = make_config(self.matrix, {**(ref.config or {}), "model": model})
+            proc = launch(self.spec, cfg.args, free_port(), self.log_dir / f"reference-{model}.log")
+            self.servers[model] = (proc, EngineClient(proc.base_url))
+            self.described[model] = {"kind": "config", "config": cfg.name, "command": proc.argv}
+            log.info("reference server for %s: %s", model, cfg.name)
+        return self.servers[model][1]
+
+    def describe(self, model: str) -> dict[str, Any]:
+        return self.described.get(model, {"kind": "same_server"})
+
+    def __enter__(self) -> References:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc, client in self.servers.values():
+            client.close()
+            proc.stop()
+
+
+def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
+    rows = []
+    for r in results:
+        if not r.scenarios:  # invalid or failed before any scenario
+            rows.append({"config": r.config, "fingerprint": r.fingerprint, "scenario": None,
+                         "kl_k3_mean": None, "kl_k3_ci": None, "hit_coverage": None,
+                         "accept_length": None, "verdict": r.verdict, "reason": r.reason,
+                         "resolved_args": r.resolved_args})
+            continue
+        for s in r.scenarios:
+            m = s.metrics
+            ci = ([m["kl_k3_ci_low"], m["kl_k3_ci_high"]] if "kl_k3_ci_low" in m else None)
+            rows.append({
+                "config": r.config, "fingerprint": r.fingerprint, "scenario": s.scenario,
+                "kl_k3_mean": m.get("kl_k3_mean"), "kl_k3_ci": ci,
+                "hit_coverage": m.get("hit_coverage"), "accept_length": m.get("accept_length"),
+                "verdict": s.verdict, "reason": s.reason, "metrics": m,
+                "resolved_args": r.resolved_args})
+    return rows
+
+
+def write_outputs(results: list[RunResult], out_dir: Path) -> None:
+    import pandas as pd
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary_rows(results), indent=2,
+                                                     default=_json_default) + "\n")
+    (out_dir / "runs.json").write_text(json.dumps(
+        [{k: v for k, v in asdict(r).items() if k != "scenarios"} | {
+            "scenarios": [{"scenario": s.scenario, "verdict": s.verdict, "reason": s.reason}
+                          for s in r.scenarios]} for r in results],
+        indent=2, default=_json_default) + "\n")
+    rows = [{"config": r.config, "fingerprint": r.fingerprint, "scenario": s.scenario, **row}
+            for r in results for s in r.scenarios for row in s.samples]
+    if rows:
+        pd.DataFrame(rows).to_parquet(out_dir / "samples.parquet", index=False)
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def results_table(results: list[RunResult], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("config", "scenario", "KL k3 mean [95% CI]", "hit cov.", "accept len",
+                "verdict"):
+        table.add_column(col, no_wrap=col != "config")
+    style = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta",
+             "error": "red"}
+    for row in summary_rows(results):
+        kl = row["kl_k3_mean"]
+        ci = row["kl_k3_ci"]
+        kl_text = "" if kl is None else f"{kl:.2e}" + (f" [{ci[0]:.1e}, {ci[1]:.1e}]" if ci else "")
+        acc = row["accept_length"]
+        cov = row["hit_coverage"]
+        verdict = row["verdict"]
+        table.add_row(row["config"], row["scenario"] or "-", kl_text,
+                      "" if cov is None else f"{cov:.2f}", "" if acc is None else f"{acc:.2f}",
+                      f"[{style.get(verdict, 'white')}]{verdict}[/]"
+                      + (f" ({row['reason'][:60]})" if verdict != "pass" and row["reason"] else ""))
+    return table
+
+
+def run_seconds(start: float) -> str:
+    return f"{time.monotonic() - start:.0f} s"

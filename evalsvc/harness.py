@@ -1,0 +1,252 @@
+"""One run: launch a config's engine, check it runs what was asked, drive its scenarios, score them.
+
+No store and no web here: a run is a function of plain data (a config, an engine spec, prompts) and
+returns plain data (``RunResult``). A failing scenario marks that scenario ``error`` and the rest
+go on; an engine that dies fails what is left of the run with its log tail; the engine's whole
+process group is always taken down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evalsvc import metrics
+from evalsvc.engines.base import EngineSpec, launch
+from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
+from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
+from evalsvc.matrix import Config, MatrixFile
+from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
+
+log = logging.getLogger("evalsvc.harness")
+DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    verdict: str
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class RunResult:
+    config: str
+    fingerprint: str
+    model: str
+    settings: dict[str, Any]
+    requested_args: dict[str, Any]
+    verdict: str  # worst of the scenarios', or invalid / error for the whole run
+    reason: str = ""
+    resolved_args: dict[str, Any] = field(default_factory=dict)
+    command: list[str] = field(default_factory=list)
+    scenarios: list[ScenarioResult] = field(default_factory=list)
+    startup_seconds: float | None = None
+    seconds: float = 0.0
+    log_path: str | None = None
+    reference: dict[str, Any] = field(default_factory=lambda: {"kind": "same_server"})
+
+
+ORDER = ["pass", "inconclusive", "fail", "invalid", "error"]
+
+
+def worst(verdicts: list[str]) -> str:
+    return max(verdicts, key=ORDER.index) if verdicts else "pass"
+
+
+def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
+               prompts: list[tuple[str, list[int]]], log_dir: Path | None = None,
+               reference: EngineClient | None = None, on_scenario=None) -> RunResult:
+    """Run every scenario of one config on a fresh engine."""
+    t0 = time.monotonic()
+    result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
+                       dict(config.args), verdict="error")
+    log_path = (log_dir / f"{config.name}.log") if log_dir else None
+    result.log_path = str(log_path) if log_path else None
+    proc: EngineProcess | None = None
+    client: EngineClient | None = None
+    try:
+        proc = start_engine(config, spec, log_path)
+        result.command = proc.argv
+        result.startup_seconds = proc.startup_seconds
+        draft = config.args.get("speculative_num_draft_tokens")
+        client = EngineClient(proc.base_url, draft_tokens=draft)
+        resolved = parse_server_info(client.server_info())
+        result.resolved_args = {k: v for k, v in resolved.items() if not isinstance(v, dict | list)}
+        problems = resolved_mismatches(config.args, resolved)
+        if problems:
+            result.verdict, result.reason = "invalid", "; ".join(problems)
+            log.warning("run %s invalid: %s", config.name, result.reason)
+            return result
+        ctx = Context(client=client, reference=reference or client, prompts=prompts,
+                      max_new_tokens=matrix.workload.max_new_tokens,
+                      temperature=matrix.workload.temperature, seed=matrix.workload.seed,
+                      track_interval=int(resolved.get("mamba_track_interval") or 256),
+                      max_total_tokens=resolved.get("max_total_tokens")
+                      or resolved.get("max_total_num_tokens"))
+        for name in config.scenarios:
+            scen = run_scenario(name, ctx, config, matrix, resolved)
+            died = scen.verdict == "error" and exited(proc)
+            if died:  # say so in this scenario's reason too, not only in the ones it skips
+                reason = f"the engine exited with code {proc.proc.poll()}{proc._tail()}"
+                scen.reason = f"{scen.reason}; {reason}"
+            result.scenarios.append(scen)
+            if on_scenario is not None:
+                on_scenario(config, scen)
+            if died:
+                for rest in config.scenarios[len(result.scenarios):]:
+                    result.scenarios.append(ScenarioResult(rest, "error", reason))
+                break
+        result.verdict = worst([s.verdict for s in result.scenarios])
+        if result.verdict == "error":
+            result.reason = next(s.reason for s in result.scenarios if s.verdict == "error")
+    except EngineStartError as exc:
+        result.reason = f"engine did not start: {exc}"
+        log.error("run %s: %s", config.name, result.reason)
+    except Exception as exc:
+        result.reason = f"{type(exc).__name__}: {exc}"
+        log.exception("run %s failed", config.name)
+    finally:
+        if client is not None:
+            client.close()
+        if proc is not None:
+            proc.stop()
+        result.seconds = time.monotonic() - t0
+    return result
+
+
+def exited(proc: EngineProcess, wait: float = 0.5) -> bool:
+    """Whether the engine has exited. Waits up to ``wait`` seconds: a server that dies closes its
+    connections (failing the scenario) a moment before it can be reaped."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.proc.wait(wait)
+    return not proc.alive()
+
+
+def start_engine(config: Config, spec: EngineSpec, log_path: Path | None,
+                 attempts: int = 2) -> EngineProcess:
+    """Launch on a free port; another port if the one picked was taken meanwhile."""
+    for attempt in range(attempts):
+        port = free_port()
+        log.info("run %s: starting engine on port %d", config.name, port)
+        try:
+            return launch(spec, config.args, port, log_path)
+        except PortInUseError as exc:
+            if attempt == attempts - 1:
+                raise
+            log.warning("run %s: %s; trying another port", config.name, str(exc).split(":")[0])
+    raise AssertionError("unreachable")
+
+
+def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
+                 resolved: dict[str, Any]) -> ScenarioResult:
+    t0 = time.monotonic()
+    try:
+        samples = SCENARIO_RUNNERS[name](ctx)
+        result = score(name, samples, config, matrix, resolved)
+    except (ScenarioError, ValueError, OSError) as exc:
+        log.warning("run %s scenario %s: %s", config.name, name, exc)
+        result = ScenarioResult(name, "error", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        log.exception("run %s scenario %s", config.name, name)
+        result = ScenarioResult(name, "error", f"{type(exc).__name__}: {exc}")
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
+          resolved: dict[str, Any]) -> ScenarioResult:
+    """KL estimators, hit coverage, acceptance and the verdict of one scenario."""
+    per_sample_k3, rows = [], []
+    topk_vals, same_top, exact = [], [], []
+    for s in samples:
+        dec, ref = np.asarray(s.completion.logprobs), np.asarray(s.reference)
+        kl = metrics.token_kl(dec, ref)
+        per_sample_k3.append(kl["k3"])
+        row = sample_row(s, kl)
+        if s.completion.top is not None and s.reference_top is not None and len(dec):
+            tk = metrics.topk_kl(s.completion.top.positions, s.reference_top.positions)
+            st = metrics.same_top_token(s.completion.top.positions, s.reference_top.positions)
+            topk_vals.append(tk)
+            same_top.append(st)
+            row["topk_kl_mean"] = float(tk.mean())
+            row["same_top_rate"] = float(st.mean())
+        if len(dec):
+            exact.append(dec == ref)
+        rows.append(row)
+    m: dict[str, Any] = {}
+    if any(len(x) for x in per_sample_k3):
+        kl_summary = metrics.summarize_kl(per_sample_k3, seed=0)
+        m.update({f"kl_k3_{k}": v for k, v in kl_summary.items()})
+        for est in ("k1", "k2"):
+            m[f"kl_{est}_mean"] = float(np.mean([r[f"kl_{est}_mean"] for r in rows]))
+    if topk_vals:
+        m["topk_kl_mean"] = float(np.concatenate(topk_vals).mean())
+        m["same_top_rate"] = float(np.concatenate(same_top).mean())
+    if exact:
+        m["bit_exact_fraction"] = float(np.concatenate(exact).mean())
+    divergences = [r["first_divergence"] for r in rows if r["first_divergence"] is not None]
+    m["first_divergence_min"] = min(divergences) if divergences else None
+    m["samples_diverged"] = len(divergences)
+    hits = sum(s.hit for s in samples)
+    m["hit_coverage"] = hits / len(samples) if samples else 0.0
+    m["cached_tokens_mean"] = float(np.mean([s.completion.cached_tokens for s in samples]))
+    counters = [s.completion.spec for s in samples if s.completion.spec is not None]
+    if counters:
+        m.update({f"accept_{k}": v for k, v in metrics.summarize_acceptance(
+            counters, resolved.get("avg_spec_accept_length")).items()})
+        m["accept_length"] = metrics.sglang_accept_length(counters)
+    verdict, reason = decide(name, m, config, matrix)
+    return ScenarioResult(name, verdict, reason, m, rows)
+
+
+def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile) -> tuple[str, str]:
+    """pass / fail / inconclusive for one scenario (thresholds only, until history exists)."""
+    floor_cov = matrix.thresholds.min_hit_coverage.get(name, 0.0)
+    if m["hit_coverage"] < floor_cov or (floor_cov > 0 and m["hit_coverage"] == 0):
+        return "inconclusive", (f"hit coverage {m['hit_coverage']:.2f} below {floor_cov:.2f}: the "
+                                "cache path was not exercised")
+    kl = m.get("kl_k3_mean")
+    limit = matrix.thresholds.kl_k3_mean
+    if kl is not None and kl > limit:
+        return "fail", f"mean KL (k3) {kl:.3g} above {limit:.3g}"
+    if name == "speculative" and config.accept_floor is not None:
+        acc = m.get("accept_length")
+        if acc is None:
+            return "fail", "no speculative counters in the responses"
+        if acc < config.accept_floor:
+            return "fail", f"accept length {acc:.3f} below the floor {config.accept_floor:.3f}"
+    return "pass", ""
+
+
+def sample_row(s: Sample, kl: dict[str, np.ndarray]) -> dict[str, Any]:
+    dec, ref = np.asarray(s.completion.logprobs), np.asarray(s.reference)
+    diff = np.abs(dec - ref)
+    over = np.nonzero(diff > DIVERGENCE_TOL)[0]
+    n = len(dec)
+    return {
+        "sample_id": s.sample_id, "prompt_id": s.prompt_id, "prompt_tokens": len(s.prompt_ids),
+        "cached_tokens": s.completion.cached_tokens,
+        "host_cached_tokens": s.completion.host_cached_tokens, "hit": s.hit,
+        "completion_tokens": n,
+        "kl_k1_mean": float(kl["k1"].mean()) if n else 0.0,
+        "kl_k2_mean": float(kl["k2"].mean()) if n else 0.0,
+        "kl_k3_mean": float(kl["k3"].mean()) if n else 0.0,
+        "kl_k3_max": float(kl["k3"].max()) if n else 0.0,
+        "first_divergence": int(over[0]) if len(over) else None,
+        "output_ids": list(s.completion.token_ids),
+        "decode_logprobs": [float(x) for x in dec],
+        "reference_logprobs": [float(x) for x in ref],
+        "accept_length": (s.completion.spec.completion_tokens / s.completion.spec.verify_ct
+                          if s.completion.spec else None),
+    }

@@ -1,0 +1,156 @@
+"""Summary statistics for per-sample metrics: bootstrap intervals and percentile reports.
+
+The unit of independence is a *sample* (one prompt / request), not a token: tokens within one
+completion are strongly correlated, so intervals are computed over per-sample aggregates (e.g. each
+sample's mean per-token KL), never over pooled tokens. Pooled-token percentiles describe the
+distribution only and carry no interval. Units are those of the input (nats for KL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# Reported percentiles, llama.cpp's ``--kl-divergence`` set: name -> percentile (0..100).
+PERCENTILES: dict[str, float] = {
+    "max": 100.0,
+    "p999": 99.9,
+    "p99": 99.0,
+    "p95": 95.0,
+    "p90": 90.0,
+    "p50": 50.0,
+    "p10": 10.0,
+    "p5": 5.0,
+    "p1": 1.0,
+    "p01": 0.1,
+    "min": 0.0,
+}
+
+# Bootstrap resample rows are drawn in chunks of at most this many indices (memory bound).
+_MAX_RESAMPLE_ELEMENTS = 4_000_000
+
+
+def _as_finite_vector(x: np.ndarray | Sequence[float], name: str) -> np.ndarray:
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    return arr
+
+
+def bootstrap_mean_ci(
+    per_sample: np.ndarray | Sequence[float],
+    confidence: float = 0.95,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Percentile-bootstrap confidence interval of the mean: ``(mean, low, high)``.
+
+    ``per_sample``: shape ``(n,)``, one value per independent sample (callers aggregate tokens per
+    sample first). ``mean`` is the plain sample mean; ``low``/``high`` are the
+    ``(1 - confidence) / 2`` and ``(1 + confidence) / 2`` quantiles of ``n_boot`` resampled means,
+    all in the input's units. Resampling is one ``(n_boot, n)`` index matrix (chunked for very
+    large inputs) from ``numpy.random.default_rng(seed)``: the same input and seed always give the
+    same interval. n = 1 gives ``(x, x, x)``.
+
+    The percentile bootstrap under-covers somewhat for small, skewed samples (about 0.93 instead
+    of 0.95 for n = 40 lognormal(0, 0.5) data). Raises ValueError for empty input, NaN/inf,
+    ``confidence`` outside (0, 1) or ``n_boot < 1``.
+    """
+    x = _as_finite_vector(per_sample, "per_sample")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot!r}")
+    n = x.size
+    mean = float(x.mean())
+    if n == 1:
+        return mean, mean, mean
+    rng = np.random.default_rng(seed)
+    rows = max(1, _MAX_RESAMPLE_ELEMENTS // n)
+    means = np.empty(n_boot, dtype=np.float64)
+    for start in range(0, n_boot, rows):
+        m = min(rows, n_boot - start)
+        means[start : start + m] = x[rng.integers(0, n, size=(m, n))].mean(axis=1)
+    alpha = 1.0 - confidence
+    low, high = np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0])
+    return mean, float(low), float(high)
+
+
+def percentiles(values: np.ndarray | Sequence[float]) -> dict[str, float]:
+    """Distribution summary of ``values`` (any shape, flattened): keys max, p999, p99, p95, p90,
+    p50, p10, p5, p1, p01, min (``pXY`` = XY-th percentile, ``p999`` = 99.9, ``p01`` = 0.1),
+    computed like ``numpy.percentile`` (linear interpolation), in the input's units.
+
+    Raises ValueError for empty input or NaN/inf.
+    """
+    x = _as_finite_vector(np.asarray(values, dtype=np.float64).ravel(), "values")
+    q = np.percentile(x, list(PERCENTILES.values()))
+    return {name: float(v) for name, v in zip(PERCENTILES, q, strict=True)}
+
+
+def summarize_kl(
+    per_sample_token_kl: Sequence[np.ndarray | Sequence[float]],
+    confidence: float = 0.95,
+    seed: int = 0,
+    n_boot: int = 2000,
+) -> dict[str, float | int]:
+    """Summarise per-token KL values (nats) grouped by sample.
+
+    ``per_sample_token_kl[s]``: shape ``(n_tokens_s,)``, sample s's per-token estimator (k3 or any
+    other). Returns:
+
+    * ``mean``: mean over samples of each sample's mean per-token value (every sample weighs the
+      same, however long), with ``ci_low`` / ``ci_high`` from ``bootstrap_mean_ci`` over those
+      per-sample means;
+    * ``token_mean``: mean over all tokens pooled (long samples weigh more; no interval);
+    * ``n_samples`` (samples with >= 1 token), ``n_empty_samples`` (skipped: no tokens), ``n_tokens``;
+    * the ``percentiles`` keys over all tokens pooled (distribution only, no interval).
+
+    Raises ValueError when no sample has any token, or values are NaN/inf.
+    """
+    arrays = [np.asarray(a, dtype=np.float64).ravel() for a in per_sample_token_kl]
+    nonempty = [a for a in arrays if a.size]
+    if not nonempty:
+        raise ValueError("summarize_kl needs at least one sample with at least one token")
+    pooled = np.concatenate(nonempty)
+    if not np.isfinite(pooled).all():
+        raise ValueError("per_sample_token_kl contains NaN or inf")
+    sample_means = np.array([a.mean() for a in nonempty])
+    mean, low, high = bootstrap_mean_ci(sample_means, confidence=confidence, n_boot=n_boot, seed=seed)
+    out: dict[str, float | int] = {
+        "mean": mean,
+        "ci_low": low,
+        "ci_high": high,
+        "confidence": confidence,
+        "token_mean": float(pooled.mean()),
+        "n_samples": len(nonempty),
+        "n_empty_samples": len(arrays) - len(nonempty),
+        "n_tokens": int(pooled.size),
+    }
+    out.update(percentiles(pooled))
+    return out
+
+
+def paired_difference_ci(
+    a_per_sample: np.ndarray | Sequence[float],
+    b_per_sample: np.ndarray | Sequence[float],
+    confidence: float = 0.95,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Bootstrap CI of mean(b - a) for paired samples: ``(mean_diff, low, high)``, input units.
+
+    ``a_per_sample[s]`` and ``b_per_sample[s]`` must be the same sample (prompt) measured two ways,
+    shape ``(n,)`` each; pairs are resampled together, so shared per-prompt difficulty cancels.
+    Raises ValueError for different lengths, plus ``bootstrap_mean_ci``'s errors.
+    """
+    a = _as_finite_vector(a_per_sample, "a_per_sample")
+    b = _as_finite_vector(b_per_sample, "b_per_sample")
+    if a.size != b.size:
+        raise ValueError(f"a_per_sample and b_per_sample differ in length: {a.size} != {b.size}")
+    return bootstrap_mean_ci(b - a, confidence=confidence, n_boot=n_boot, seed=seed)

@@ -1,0 +1,229 @@
+"""Scenarios: workload shapes that make a server take one cache path, then measure it.
+
+Every scenario starts from an empty cache (``/flush_cache``), sends its setup requests (seeding,
+pool pressure, a first turn), then the measured requests concurrently, each generating with
+logprobs; the reference is then computed as SGLang's tests do (flush, and a teacher-forced cold
+prefill of prompt + output) on the same server or on a reference server. A measured request counts
+as a hit when ``cached_tokens`` shows the path was taken:
+
+* ``cold``: nothing cached; the baseline of decode against prefill.
+* ``prefill_hit``: each prompt's first 40-70 % prefilled first (one at a time), then the whole
+  prompt generated.
+* ``decode_hit``: a first turn generates past a ``--mamba-track-interval`` boundary; the second turn
+  (prompt + output + more) must hit beyond the first prompt (SGLang's criterion).
+* ``branching``: a shared prefix prefilled, then branches off it submitted together.
+* ``host_tier``: prefixes seeded, then other prompts push them out of device memory; the measured
+  requests must load them back from the host tier.
+* ``speculative``: greedy generation under MTP, one request at a time; acceptance is measured on
+  top of KL.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+from evalsvc.engines.sglang_server import (
+    ResponseError,
+    build_generate_payload,
+    build_reference_payload,
+    parse_completion,
+)
+from evalsvc.types import Completion, TopLogprobs
+
+TOP_K = 5
+MAX_CONCURRENCY = 16
+
+
+class ScenarioError(RuntimeError):
+    """A scenario could not run (the server refused a request, or answered nonsense)."""
+
+
+@dataclass
+class Sample:
+    scenario: str
+    sample_id: str
+    prompt_id: str
+    prompt_ids: list[int]
+    completion: Completion
+    hit: bool
+    reference: list[float] = field(default_factory=list)
+    reference_top: TopLogprobs | None = None
+
+
+class EngineClient:
+    """Blocking HTTP calls to one engine server (SGLang's native API)."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0, draft_tokens: int | None = None):
+        self.http = httpx.Client(base_url=base_url, timeout=timeout)
+        self.draft_tokens = draft_tokens
+
+    def close(self) -> None:
+        self.http.close()
+
+    def generate(self, payload: dict) -> Completion:
+        resp = self.http.post("/generate", json=payload)
+        if resp.status_code != 200:
+            raise ScenarioError(f"/generate answered {resp.status_code}: {resp.text[:300]}")
+        try:
+            return parse_completion(resp.json(), self.draft_tokens)
+        except (ResponseError, ValueError) as exc:
+            raise ScenarioError(f"/generate: {exc}") from None
+
+    def generate_many(self, payloads: list[dict]) -> list[Completion]:
+        if not payloads:
+            return []
+        with ThreadPoolExecutor(min(MAX_CONCURRENCY, len(payloads))) as pool:
+            return list(pool.map(self.generate, payloads))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Flush the cache; retried while the server still winds down earlier requests."""
+        deadline = time.monotonic() + timeout
+        while True:
+            resp = self.http.post("/flush_cache")
+            if resp.status_code == 200:
+                return
+            if time.monotonic() > deadline:
+                raise ScenarioError(f"/flush_cache kept failing: {resp.status_code} {resp.text!r}")
+            time.sleep(0.05)
+
+    def server_info(self) -> dict:
+        for path in ("/server_info", "/get_server_info"):
+            resp = self.http.get(path)
+            if resp.status_code == 200:
+                return resp.json()
+        raise ScenarioError(f"/server_info answered {resp.status_code}")
+
+
+@dataclass
+class Context:
+    client: EngineClient
+    reference: EngineClient  # the same client for SGLang's same-server reference
+    prompts: list[tuple[str, list[int]]]  # (prompt id, token ids)
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    track_interval: int = 256
+    max_total_tokens: int | None = None
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def payload(self, ids: list[int], i: int, *, greedy: bool = False,
+                max_new_tokens: int | None = None) -> dict:
+        return build_generate_payload(
+            ids, max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            temperature=0.0 if greedy else self.temperature, seed=self.seed + i,
+            top_logprobs_num=TOP_K)
+
+
+def _measure(ctx: Context, name: str, items: list[tuple[str, list[int]]],
+             is_hit: Callable[[int, Completion], bool], greedy: bool = False) -> list[Sample]:
+    outs = ctx.client.generate_many([ctx.payload(ids, i, greedy=greedy)
+                                     for i, (_, ids) in enumerate(items)])
+    samples = [Sample(name, f"{name}-{i}", pid, ids, out, is_hit(i, out))
+               for i, ((pid, ids), out) in enumerate(zip(items, outs, strict=True))]
+    add_reference(ctx, samples)
+    return samples
+
+
+def add_reference(ctx: Context, samples: list[Sample]) -> None:
+    """SGLang's method: an empty cache, then a teacher-forced prefill of prompt + output."""
+    ctx.reference.flush()
+    refs = ctx.reference.generate_many([
+        build_reference_payload(s.prompt_ids, s.completion.token_ids, top_logprobs_num=TOP_K)
+        for s in samples])
+    for s, ref in zip(samples, refs, strict=True):
+        n = len(s.completion.token_ids)
+        if n == 0:
+            continue
+        tail = ref.input_logprobs[-n:]
+        if len(tail) != n or any(x is None for x in tail):
+            raise ScenarioError(f"{s.sample_id}: the reference returned {len(tail)} logprobs for "
+                                f"{n} generated tokens")
+        s.reference = [float(x) for x in tail]
+        if ref.input_top is not None:
+            s.reference_top = TopLogprobs(ref.input_top.positions[-n:])
+
+
+def cold(ctx: Context) -> list[Sample]:
+    ctx.client.flush()
+    return _measure(ctx, "cold", ctx.prompts, lambda i, out: out.cached_tokens > 0)
+
+
+def prefill_hit(ctx: Context) -> list[Sample]:
+    ctx.client.flush()
+    # long enough for a chunk-aligned snapshot (64 tokens), short enough to leave a real extend
+    cuts = [min(len(ids) - 2, max(80, int(len(ids) * ctx.rng.uniform(0.4, 0.7))))
+            for _, ids in ctx.prompts]
+    seed(ctx, [ids[:c] for (_, ids), c in zip(ctx.prompts, cuts, strict=True)])
+    return _measure(ctx, "prefill_hit", ctx.prompts, lambda i, out: out.cached_tokens > 0)
+
+
+def seed(ctx: Context, prefixes: list[list[int]]) -> None:
+    """Prefill each prefix alone, so each is cut into chunks the same way whatever else runs
+    (snapshots need whole chunk-aligned extends)."""
+    for i, ids in enumerate(prefixes):
+        ctx.client.generate(ctx.payload(ids, i, max_new_tokens=0))
+
+
+def decode_hit(ctx: Context) -> list[Sample]:
+    ctx.client.flush()
+    first = ctx.client.generate_many([
+        ctx.payload(ids, i, max_new_tokens=ctx.track_interval + 8)
+        for i, (_, ids) in enumerate(ctx.prompts)])
+    items, firsts = [], []
+    for i, ((pid, ids), out) in enumerate(zip(ctx.prompts, first, strict=True)):
+        follow = ctx.prompts[(i + 1) % len(ctx.prompts)][1][:8]
+        items.append((f"{pid}/turn2", ids + out.token_ids + follow))
+        firsts.append(len(ids))
+    return _measure(ctx, "decode_hit", items,
+                    lambda i, out: out.cached_tokens > firsts[i] + 1)
+
+
+def branching(ctx: Context) -> list[Sample]:
+    ctx.client.flush()
+    base_id, base = ctx.prompts[0]
+    shared = base[: max(1, len(base) * 3 // 5)]
+    ctx.client.generate(ctx.payload(shared, 0, max_new_tokens=0))
+    items = [(f"{base_id}+{pid}", shared + ids[len(ids) // 2:]) for pid, ids in ctx.prompts]
+    return _measure(ctx, "branching", items, lambda i, out: out.cached_tokens > 0)
+
+
+def host_tier(ctx: Context) -> list[Sample]:
+    ctx.client.flush()
+    seed(ctx, [ids[: max(1, int(len(ids) * 0.6))] for _, ids in ctx.prompts])
+    # push the seeded prefixes out of device memory: other token sequences, about twice the pool
+    budget = 2 * (ctx.max_total_tokens or 4096)
+    pressure, used, k = [], 0, 0
+    while used < budget:
+        _, ids = ctx.prompts[k % len(ctx.prompts)]
+        seq = list(reversed(ids)) + [ids[k % len(ids)]] * (k // len(ctx.prompts))
+        pressure.append(seq)
+        used += len(seq)
+        k += 1
+    for seq in pressure:  # one at a time, so eviction order follows recency
+        ctx.client.generate(ctx.payload(seq, 0, max_new_tokens=0))
+    return _measure(ctx, "host_tier", ctx.prompts, lambda i, out: out.host_cached_tokens > 0)
+
+
+def speculative(ctx: Context) -> list[Sample]:
+    """Greedy generation one request at a time (acceptance is a per-request property; batch
+    size one is how draft acceptance is usually benchmarked)."""
+    ctx.client.flush()
+    outs = [ctx.client.generate(ctx.payload(ids, i, greedy=True))
+            for i, (_, ids) in enumerate(ctx.prompts)]
+    samples = [Sample("speculative", f"speculative-{i}", pid, ids, out, out.spec is not None)
+               for i, ((pid, ids), out) in enumerate(zip(ctx.prompts, outs, strict=True))]
+    add_reference(ctx, samples)
+    return samples
+
+
+SCENARIO_RUNNERS: dict[str, Callable[[Context], list[Sample]]] = {
+    "cold": cold, "prefill_hit": prefill_hit, "decode_hit": decode_hit, "branching": branching,
+    "host_tier": host_tier, "speculative": speculative,
+}
+

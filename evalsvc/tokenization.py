@@ -1,0 +1,35 @@
+"""Client-side tokenizers: prompts go to engines as token ids, so references align by token."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+@lru_cache(maxsize=16)
+def load_tokenizer(model_path: str, engine: str = "embedded") -> Tokenizer:
+    """tokenizer.json of a shipped model (by name), of a local model directory, or from the hub."""
+    from evalsvc.engines.embedded.paths import shipped_model_dir
+
+    directory = shipped_model_dir(model_path) if engine == "embedded" else None
+    directory = directory or (Path(model_path) if Path(model_path).is_dir() else None)
+    if directory is not None:
+        file = directory / "tokenizer.json"
+        if not file.is_file():
+            raise TokenizerError(f"model {model_path}: no tokenizer.json in {directory}")
+        return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_pretrained(model_path)
+    except Exception as exc:  # noqa: BLE001 - named in the message
+        raise TokenizerError(f"model {model_path}: not a local directory, and its tokenizer could "
+                             f"not be fetched from the hub ({exc})") from None
+
+
+def encode(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids

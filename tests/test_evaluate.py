@@ -1,0 +1,75 @@
+"""Matrix evaluation: the CLI's dry run, a separate reference server, the engine environment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import yaml
+
+from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.launch import clean_env
+from evalsvc.evaluate import evaluate, prepare, summary_rows
+from evalsvc.matrix import load_matrix
+
+
+def evalsvc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evalsvc.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_dry_run_prints_each_sglang_command_for_the_release():
+    new = evalsvc("run", "mamba-full", "--dry-run", "--engine-python", "/opt/sglang/bin/python")
+    old = evalsvc("run", "mamba-full", "--dry-run", "--sglang-version", "0.5.13")
+    assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
+    new_lines = [json.loads(x) for x in new.stdout.splitlines()]
+    old_lines = [json.loads(x) for x in old.stdout.splitlines()]
+    assert len(new_lines) == 24 and len(old_lines) == 20
+    assert all(argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+               for argv in new_lines)
+    assert all("--mamba-radix-cache-strategy" in argv for argv in new_lines)
+    assert all("--mamba-scheduler-strategy" in argv and "--mamba-radix-cache-strategy" not in argv
+               for argv in old_lines)
+    assert all(argv[argv.index("--tp-size") + 1] == "4" for argv in new_lines)
+
+
+def test_engine_environment_drops_simulated_acceptance(monkeypatch):
+    monkeypatch.setenv("SGLANG_SIMULATE_ACC_LEN", "3")
+    monkeypatch.setenv("SGLANG_SIMULATE_ACC_METHOD", "match-expected")
+    monkeypatch.setenv("SGLANG_ENABLE_SPEC_V2", "1")
+    env = clean_env({"EXTRA": "1"})
+    assert "SGLANG_SIMULATE_ACC_LEN" not in env and "SGLANG_SIMULATE_ACC_METHOD" not in env
+    assert env["SGLANG_ENABLE_SPEC_V2"] == "1" and env["EXTRA"] == "1"
+
+
+@pytest.mark.slow
+def test_reference_config_on_its_own_server(tmp_path):
+    path = tmp_path / "ref.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "ref", "engine": "embedded",
+        "models": {"mamba2": {"path": "hybrid-mamba2-tiny"}},
+        "include": [{"model": "mamba2", "strategy": "extra_buffer", "overlap": True,
+                     "chunked_prefill": 64}],
+        "scenarios": ["cold", "prefill_hit"],
+        "reference": {"kind": "config", "config": {"radix_cache": False, "overlap": False}},
+        "extra_args": {"random_seed": 0},
+        "workload": {"num_prompts": 3, "max_new_tokens": 8},
+        "thresholds": {"kl_k3_mean": 1e-8}}))
+    matrix = load_matrix(path)
+    spec = EngineSpec()
+    configs, prompts = prepare(matrix, spec)
+    results = evaluate(matrix, configs, prompts, spec, tmp_path / "out")
+    rows = summary_rows(results)
+    assert [r["verdict"] for r in rows] == ["pass", "pass"], rows
+    ref = results[0].reference
+    assert ref["kind"] == "config" and ref["config"] == "mamba2-noradix-sync"
+    assert "--disable-radix-cache" in ref["command"]
+    assert (tmp_path / "out" / "logs" / "reference-mamba2.log").is_file()
+    runs = json.loads((tmp_path / "out" / "runs.json").read_text())
+    assert runs[0]["reference"]["config"] == "mamba2-noradix-sync"
+    samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
+    assert len(samples) == 6 and (samples.kl_k3_mean < 1e-8).all()
+    assert samples[samples.scenario == "prefill_hit"].cached_tokens.gt(0).all()

@@ -1,0 +1,98 @@
+"""Matrix files: validation, expansion, names and fingerprints."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from evalsvc.matrix import AXES, SCENARIOS, MatrixError, expand, load_matrix, make_config
+
+BASE = {"name": "t", "models": {"m": {"path": "hybrid-mamba2-tiny"}},
+        "axes": {"strategy": ["no_buffer", "extra_buffer"], "overlap": [True, False]}}
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_shipped_matrices_load_and_expand():
+    smoke = load_matrix("smoke")
+    configs = expand(smoke)
+    assert len(configs) >= 8
+    assert {c.model for c in configs} == {"mamba2", "gdn"}
+    full = expand(load_matrix("mamba-full"))
+    assert len(full) == 24
+    assert not any(c.settings["strategy"] == "no_buffer" and c.settings["overlap"] for c in full)
+
+
+def test_smoke_covers_every_axis_both_ways():
+    configs = expand(load_matrix("smoke"))
+    for axis in ("strategy", "overlap", "hicache", "mtp", "radix_cache"):
+        values = {c.settings[axis] for c in configs if axis != "strategy" or c.settings["radix_cache"]}
+        assert len(values) >= 2, f"smoke leaves axis {axis} at {values}"
+    chunk = {c.settings["chunked_prefill"] for c in configs}
+    assert any(v > 0 for v in chunk) and any(v <= 0 for v in chunk)
+    scenarios = {s for c in configs for s in c.scenarios}
+    assert scenarios == set(SCENARIOS)
+
+
+def test_version_conditional_exclusion():
+    full = load_matrix("mamba-full")
+    new = {c.name for c in expand(full, sglang_version="0.5.23")}
+    old = {c.name for c in expand(full, sglang_version="0.5.13")}
+    assert old < new
+    assert all("-nb-" in n and n.endswith("mtp") for n in new - old)
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    (lambda d: d["axes"].__setitem__("colour", [1]), "colour"),
+    (lambda d: d.__setitem__("workloads", {}), "workloads"),
+    (lambda d: d["axes"].__setitem__("strategy", ["fast_buffer"]), "fast_buffer"),
+    (lambda d: d.__setitem__("exclude", [{"colour": 1}]), "exclude[0].colour"),
+    (lambda d: d["models"]["m"].__setitem__("paht", "x"), "paht"),
+    (lambda d: d.__setitem__("workload", {"num_prompt": 3}), "num_prompt"),
+    (lambda d: d["axes"].__setitem__("model", ["nope"]), "nope"),
+    (lambda d: d.__setitem__("exclude", [{"strategy": "no_buffer", "sglang_version": "soon"}]),
+     "sglang_version"),
+])
+def test_bad_matrix_names_file_and_key(tmp_path, change, key):
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    change(data)
+    path = write(tmp_path, data)
+    with pytest.raises(MatrixError) as err:
+        load_matrix(path)
+    assert path in str(err.value) and key in str(err.value)
+
+
+def test_unknown_matrix_name_lists_known_ones():
+    with pytest.raises(MatrixError, match="smoke"):
+        load_matrix("no-such-matrix")
+
+
+def test_fingerprints_are_stable_and_track_what_matters(tmp_path):
+    m = load_matrix(write(tmp_path, BASE))
+    a = expand(m, workload_version="w1")
+    b = expand(m, workload_version="w1")
+    assert [c.fingerprint for c in a] == [c.fingerprint for c in b]
+    assert len({c.fingerprint for c in a}) == len(a)
+    other_workload = expand(m, workload_version="w2")
+    assert {c.fingerprint for c in a}.isdisjoint({c.fingerprint for c in other_workload})
+    gpu = expand(m, hardware="gpu", workload_version="w1")
+    assert {c.fingerprint for c in a}.isdisjoint({c.fingerprint for c in gpu})
+    point = {"model": "m", "strategy": "extra_buffer", "overlap": True}
+    assert make_config(m, point, workload_version="w1").fingerprint in {c.fingerprint for c in a}
+
+
+def test_config_args_are_sglang_server_args():
+    m = load_matrix("mamba-full")
+    cfg = next(c for c in expand(m) if c.settings["hicache"] and c.settings["mtp"])
+    assert cfg.args["enable_hierarchical_cache"] is True
+    assert cfg.args["hicache_io_backend"] == "direct"
+    assert cfg.args["speculative_num_draft_tokens"] == 4
+    assert cfg.args["tp_size"] == 4
+    assert set(cfg.scenarios) == {"cold", "prefill_hit", "decode_hit", "branching", "host_tier",
+                                  "speculative"}
+    assert cfg.accept_floor == 2.5
+    assert set(AXES) >= set(cfg.settings)
