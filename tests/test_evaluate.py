@@ -73,3 +73,19 @@ def test_reference_config_on_its_own_server(tmp_path):
     samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     assert len(samples) == 6 and (samples.kl_k3_mean < 1e-8).all()
     assert samples[samples.scenario == "prefill_hit"].cached_tokens.gt(0).all()
+
+
+@pytest.mark.slow
+def test_a_server_that_resolves_differently_is_invalid(tmp_path):
+    # MTP on the embedded (CPU) engine turns the overlap scheduler off, as SGLang does on CPU
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "inv", "models": {"mamba2": {"path": "hybrid-mamba2-tiny"}},
+        "include": [{"model": "mamba2", "strategy": "extra_buffer", "overlap": True, "mtp": True}],
+        "scenarios": ["cold"], "workload": {"num_prompts": 2, "max_new_tokens": 4}}))
+    matrix = load_matrix(path)
+    configs, prompts = prepare(matrix, EngineSpec())
+    [result] = evaluate(matrix, configs, prompts, EngineSpec(), tmp_path / "out")
+    assert result.verdict == "invalid"
+    assert "overlap" in result.reason and not result.scenarios
+    assert result.resolved_args["disable_overlap_schedule"] is True
