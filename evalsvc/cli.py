@@ -55,11 +55,26 @@ def run(
         "--inject-defect", help="embedded engine: switch a known defect on")] = None,
     configs: Annotated[list[str] | None, typer.Option(
         "--config", help="run only these config names")] = None,
+    repository: Annotated[str | None, typer.Option(
+        help="repository of the evaluated build (default: sgl-project/sglang, or "
+             "evalsvc/embedded for the embedded engine)")] = None,
+    commit: Annotated[str | None, typer.Option(help="commit sha of the evaluated build")] = None,
+    commit_time: Annotated[str | None, typer.Option(help="its commit time (ISO 8601)")] = None,
+    branch: Annotated[str | None, typer.Option(help="its branch")] = None,
+    store: Annotated[bool, typer.Option(
+        "--store/--no-store", help="record the results in the store (EVALSVC_DATABASE_URL or "
+                                   "SQLite in EVALSVC_DATA_DIR)")] = True,
+    source: Annotated[str | None, typer.Option(
+        help="SGLang build source: sglang==VERSION, git:REPO@COMMIT or path:DIR (laid over "
+             "--engine-python's environment)")] = None,
+    patch: Annotated[list[str] | None, typer.Option(
+        "--patch", help="with --source: a known fix to patch in")] = None,
 ) -> None:
     """Evaluate a configuration matrix: KL against the reference and acceptance, per scenario."""
     import json
     import logging
     import time
+    import uuid
 
     from rich.console import Console
 
@@ -85,6 +100,20 @@ def run(
             console.print("[red]error:[/] --inject-defect needs the embedded engine")
             raise typer.Exit(2)
         env["EVALSVC_ENGINE_DEFECTS"] = ",".join(inject_defect)
+    build = None
+    if source or patch:
+        from evalsvc.builds.build import BuildError, make_build
+
+        if kind != "sglang" or not source:
+            console.print("[red]error:[/] --source/--patch need --engine sglang and a --source")
+            raise typer.Exit(2)
+        try:
+            build = make_build(source, patch or [], base_python=engine_python)
+        except BuildError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        env.update(build.env())
+        sglang_version = sglang_version or build.manifest.get("version")
     spec = EngineSpec(kind=kind, python=engine_python, version=sglang_version, env=env)
     try:
         cfgs, prompts = prepare(mat, spec, model)
@@ -102,14 +131,180 @@ def run(
         for argv in dry_run_commands(cfgs, spec):
             print(json.dumps(argv))
         return
-    out = out or Path("out") / f"{mat.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    job_id = f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    out = out or Path("out") / job_id
+    build_info = build_ref(kind, sglang_version, repository, commit, commit_time, branch,
+                           inject_defect or [], build)
     t0 = time.monotonic()
     results = evaluate(mat, cfgs, prompts, spec, out, console)
     console.print(results_table(results, f"{mat.name}: {len(cfgs)} configs, "
                                          f"{time.monotonic() - t0:.0f} s"))
     console.print(f"results: {out}/summary.json, {out}/samples.parquet, logs in {out}/logs")
+    if store:
+        from evalsvc.settings import Settings
+        from evalsvc.store.db import Store
+        from evalsvc.store.record import record_results
+
+        settings = Settings()
+        db = Store(settings.resolved_database_url())
+        try:
+            record_results(db, job_id=job_id, trigger="cli", build=build_info, matrix=mat.name,
+                           spec={"matrix": mat.name, "engine": kind, "configs": configs or None,
+                                 "build": build_info.ref, "patches": build_info.patches},
+                           results=results, results_dir=settings.results_dir())
+        finally:
+            db.close()
+        console.print(f"recorded as job {job_id} of build {build_info.ref}"
+                      f"{' +' + build_info.patch_set if build_info.patch_set else ''} in "
+                      f"{settings.resolved_database_url()}")
     bad = [r for r in results if r.verdict in ("fail", "error", "invalid")]
     raise typer.Exit(1 if bad else 0)
+
+
+def build_ref(kind: str, version: str | None, repository: str | None, commit: str | None,
+              commit_time: str | None, branch: str | None, defects: list[str], build=None):
+    """What a CLI run evaluated: an SGLang commit or release (or an engine build of one), or this
+    project's embedded engine (whose switched-on defects count as its patch set)."""
+    from datetime import UTC, datetime
+
+    from evalsvc import __version__
+    from evalsvc.store.record import BuildRef
+
+    when = datetime.fromisoformat(commit_time) if commit_time else datetime.now(UTC)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    if kind == "embedded":
+        return BuildRef(repository=repository or "evalsvc/embedded", sha=commit,
+                        version=None if commit else __version__, committed_at=when, branch=branch,
+                        patches=[f"defect:{d}" for d in defects])
+    if build is not None:
+        m = build.manifest
+        probes = {p["fix"]: p["status"] for p in m["probes_after"]}
+        return BuildRef(repository=repository or (m["location"] if m["kind"] != "pypi"
+                                                  else "sgl-project/sglang"),
+                        sha=m.get("commit") or commit,
+                        version=m.get("version") or (None if m.get("commit") or commit
+                                                     else "tree-" + m["package_hash"][:12]),
+                        committed_at=when, branch=branch, patches=m["patches"], probes=probes,
+                        base_env=m.get("base_env"), manifest=m)
+    return BuildRef(repository=repository or "sgl-project/sglang", sha=commit,
+                    version=None if commit else (version or "unknown"), committed_at=when,
+                    branch=branch)
+
+
+@app.command()
+def probe(
+    source: Annotated[str, typer.Argument(help="sglang==VERSION, git:REPO@COMMIT or path:DIR")],
+    as_json: Annotated[bool, typer.Option("--json", help="an object per fix")] = False,
+) -> None:
+    """Which known fixes a SGLang source has: present, absent or not applicable, with evidence."""
+    import json
+
+    from evalsvc.builds.build import BuildError, make_build
+
+    try:
+        build = make_build(source)
+    except BuildError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    results = build.manifest["probes_before"]
+    if as_json:
+        typer.echo(json.dumps([{"fix": r["fix"], "status": r["status"],
+                                "evidence": r["evidence"]} for r in results], indent=2))
+        return
+    for r in results:
+        typer.echo(f"{r['fix']}: {r['status']}")
+        for line in r["evidence"]:
+            typer.echo(f"    {line}")
+
+
+@app.command()
+def build(
+    source: Annotated[str, typer.Argument(help="sglang==VERSION, git:REPO@COMMIT or path:DIR")],
+    patch: Annotated[list[str] | None, typer.Option("--patch", help="a fix to patch in")] = None,
+    base_python: Annotated[str | None, typer.Option(
+        help="python of the base environment (torch, kernels) to record")] = None,
+) -> None:
+    """Make (or reuse) an engine build and print its manifest."""
+    import json
+
+    from evalsvc.builds.build import BuildError, make_build
+
+    try:
+        b = make_build(source, patch or [], base_python=base_python)
+    except BuildError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({"directory": str(b.directory), "reused": b.reused, **b.manifest},
+                          indent=2))
+
+
+db_app = typer.Typer(no_args_is_help=True, help="The results store's schema.")
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Apply migrations (to head by default)."""
+    from evalsvc.settings import Settings
+    from evalsvc.store.db import current, upgrade
+
+    url = Settings().resolved_database_url()
+    upgrade(url, revision)
+    typer.echo(f"{url}: at revision {current(url)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument()] = "base") -> None:
+    """Revert migrations (to an empty schema by default)."""
+    from evalsvc.settings import Settings
+    from evalsvc.store.db import current, downgrade
+
+    url = Settings().resolved_database_url()
+    downgrade(url, revision)
+    typer.echo(f"{url}: at revision {current(url)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """The revision the database is at."""
+    from evalsvc.settings import Settings
+    from evalsvc.store.db import current
+
+    url = Settings().resolved_database_url()
+    typer.echo(f"{url}: at revision {current(url)}")
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Argument(help="output file, .parquet or .csv")],
+    job: Annotated[str | None, typer.Option(help="a job's results")] = None,
+    repository: Annotated[str | None, typer.Option(help="only this repository's commits")] = None,
+    since: Annotated[str | None, typer.Option(help="first commit ref of a range (inclusive)")] = None,
+    until: Annotated[str | None, typer.Option(help="last commit ref of a range (inclusive)")] = None,
+) -> None:
+    """Write results from the store to Parquet or CSV: a row per run and scenario."""
+    from evalsvc.settings import Settings
+    from evalsvc.store.db import Store
+    from evalsvc.store.export import results_frame, write_frame
+
+    if out.suffix not in (".parquet", ".csv"):
+        typer.echo(f"error: {out}: use a .parquet or .csv file name", err=True)
+        raise typer.Exit(2)
+    db = Store(Settings().resolved_database_url())
+    try:
+        with db.session() as s:
+            df = results_frame(s, job_id=job, repository=repository, since=since, until=until)
+    except KeyError as exc:
+        typer.echo(f"error: {exc.args[0]}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        db.close()
+    if df.empty:
+        typer.echo("error: no results match", err=True)
+        raise typer.Exit(1)
+    write_frame(df, out)
+    typer.echo(f"{out}: {len(df)} rows")
 
 
 if __name__ == "__main__":

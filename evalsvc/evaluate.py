@@ -20,10 +20,11 @@ from rich.table import Table
 
 from evalsvc.engines.base import EngineSpec, engine_command, launch
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
-from evalsvc.harness import RunResult, run_config
+from evalsvc.harness import run_config
 from evalsvc.matrix import Config, MatrixFile, expand, make_config
 from evalsvc.scenarios import EngineClient
 from evalsvc.tokenization import TokenizerError, encode, load_tokenizer
+from evalsvc.types import RunResult
 from evalsvc.workloads import load_prompts, workload_version
 
 log = logging.getLogger("evalsvc.evaluate")

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,37 +23,10 @@ from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseErr
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
+from evalsvc.types import RunResult, ScenarioResult
 
 log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
-
-
-@dataclass
-class ScenarioResult:
-    scenario: str
-    verdict: str
-    reason: str = ""
-    metrics: dict[str, Any] = field(default_factory=dict)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
-
-
-@dataclass
-class RunResult:
-    config: str
-    fingerprint: str
-    model: str
-    settings: dict[str, Any]
-    requested_args: dict[str, Any]
-    verdict: str  # worst of the scenarios', or invalid / error for the whole run
-    reason: str = ""
-    resolved_args: dict[str, Any] = field(default_factory=dict)
-    command: list[str] = field(default_factory=list)
-    scenarios: list[ScenarioResult] = field(default_factory=list)
-    startup_seconds: float | None = None
-    seconds: float = 0.0
-    log_path: str | None = None
-    reference: dict[str, Any] = field(default_factory=lambda: {"kind": "same_server"})
 
 
 ORDER = ["pass", "inconclusive", "fail", "invalid", "error"]

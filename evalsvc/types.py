@@ -6,6 +6,7 @@ No behaviour beyond small derived properties; logprobs are natural-log, aligned 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 VERDICTS = ("pass", "fail", "inconclusive", "invalid", "error")
 
@@ -50,3 +51,35 @@ class Completion:
     spec: SpecCounters | None = None
     text: str = ""
     host_cached_tokens: int = 0
+
+
+@dataclass
+class ScenarioResult:
+    """One scenario of one run: its verdict, scalar metrics and a row per sample."""
+
+    scenario: str
+    verdict: str
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class RunResult:
+    """One config on one engine, executed: what was asked, what ran, and how it scored."""
+
+    config: str
+    fingerprint: str
+    model: str
+    settings: dict[str, Any]
+    requested_args: dict[str, Any]
+    verdict: str  # worst of the scenarios', or invalid / error for the whole run
+    reason: str = ""
+    resolved_args: dict[str, Any] = field(default_factory=dict)
+    command: list[str] = field(default_factory=list)
+    scenarios: list[ScenarioResult] = field(default_factory=list)
+    startup_seconds: float | None = None
+    seconds: float = 0.0
+    log_path: str | None = None
+    reference: dict[str, Any] = field(default_factory=lambda: {"kind": "same_server"})

@@ -19,6 +19,7 @@ from evalsvc.metrics.kl import (
 from evalsvc.metrics.stats import (
     bootstrap_mean_ci,
     paired_difference_ci,
+    paired_difference_cis,
     percentiles,
     summarize_kl,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "bootstrap_mean_ci",
     "first_divergence",
     "paired_difference_ci",
+    "paired_difference_cis",
     "per_position_acceptance",
     "percentiles",
     "same_top_token",

@@ -66,19 +66,29 @@ def bootstrap_mean_ci(
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1, got {n_boot!r}")
-    n = x.size
     mean = float(x.mean())
-    if n == 1:
+    if x.size == 1:
         return mean, mean, mean
+    low, high = _bootstrap_quantiles(x[None, :], confidence, n_boot, seed)
+    return mean, float(low[0]), float(high[0])
+
+
+def _bootstrap_quantiles(x: np.ndarray, confidence: float, n_boot: int,
+                         seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile-bootstrap bounds of the mean of each row of ``x`` (shape ``(k, n)``), all rows
+    resampled with the same index matrix, drawn in chunks (memory bound) from ``default_rng(seed)``."""
+    k, n = x.shape
     rng = np.random.default_rng(seed)
     rows = max(1, _MAX_RESAMPLE_ELEMENTS // n)
-    means = np.empty(n_boot, dtype=np.float64)
-    for start in range(0, n_boot, rows):
-        m = min(rows, n_boot - start)
-        means[start : start + m] = x[rng.integers(0, n, size=(m, n))].mean(axis=1)
+    draws = np.concatenate([rng.integers(0, n, size=(min(rows, n_boot - start), n))
+                            for start in range(0, n_boot, rows)])  # (n_boot, n)
+    means = np.empty((k, n_boot), dtype=np.float64)
+    block = max(1, _MAX_RESAMPLE_ELEMENTS // (n_boot * n))
+    for start in range(0, k, block):
+        means[start: start + block] = x[start: start + block, draws].mean(axis=2)
     alpha = 1.0 - confidence
-    low, high = np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0])
-    return mean, float(low), float(high)
+    low, high = np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0], axis=1)
+    return low, high
 
 
 def percentiles(values: np.ndarray | Sequence[float]) -> dict[str, float]:
@@ -149,8 +159,40 @@ def paired_difference_ci(
     shape ``(n,)`` each; pairs are resampled together, so shared per-prompt difficulty cancels.
     Raises ValueError for different lengths, plus ``bootstrap_mean_ci``'s errors.
     """
-    a = _as_finite_vector(a_per_sample, "a_per_sample")
-    b = _as_finite_vector(b_per_sample, "b_per_sample")
-    if a.size != b.size:
-        raise ValueError(f"a_per_sample and b_per_sample differ in length: {a.size} != {b.size}")
-    return bootstrap_mean_ci(b - a, confidence=confidence, n_boot=n_boot, seed=seed)
+    return paired_difference_cis([(a_per_sample, b_per_sample)], confidence, n_boot, seed)[0]
+
+
+def paired_difference_cis(
+    pairs: Sequence[tuple[np.ndarray | Sequence[float], np.ndarray | Sequence[float]]],
+    confidence: float = 0.95,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> list[tuple[float, float, float]]:
+    """``paired_difference_ci`` of many pairs at once: pairs of one length share their resampling
+    indices, so their bootstrap means are one array operation (the bounds equal one call each up
+    to float rounding: numpy sums a row of a bigger array in another order)."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot!r}")
+    diffs = []
+    for a_in, b_in in pairs:
+        a = _as_finite_vector(a_in, "a_per_sample")
+        b = _as_finite_vector(b_in, "b_per_sample")
+        if a.size != b.size:
+            raise ValueError(f"a_per_sample and b_per_sample differ in length: {a.size} != {b.size}")
+        diffs.append(b - a)
+    out: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * len(diffs)
+    by_length: dict[int, list[int]] = {}
+    for i, d in enumerate(diffs):
+        by_length.setdefault(d.size, []).append(i)
+    for n, indices in by_length.items():
+        stacked = np.stack([diffs[i] for i in indices])
+        means = stacked.mean(axis=1)
+        if n == 1:
+            low = high = means
+        else:
+            low, high = _bootstrap_quantiles(stacked, confidence, n_boot, seed)
+        for j, i in enumerate(indices):
+            out[i] = (float(means[j]), float(low[j]), float(high[j]))
+    return out

@@ -148,3 +148,15 @@ def test_paired_difference_ci() -> None:
     assert paired_difference_ci(b_large, a)[0] == pytest.approx(-mean)
     with pytest.raises(ValueError, match="differ in length"):
         paired_difference_ci(a, b_large[:-1])
+
+
+def test_batched_paired_intervals_equal_one_call_each():
+    import evalsvc.metrics.stats as stats_mod
+
+    rng = np.random.default_rng(3)
+    pairs = [(rng.normal(size=n), rng.normal(size=n) + shift)
+             for n, shift in [(2, 0.0), (8, 0.5), (8, -1.0), (50, 0.1), (1, 0.3), (8, 0.0)]]
+    batched = stats_mod.paired_difference_cis(pairs, confidence=0.9, n_boot=500)
+    single = [stats_mod.paired_difference_ci(a, b, confidence=0.9, n_boot=500) for a, b in pairs]
+    for got, want in zip(batched, single, strict=True):
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15)

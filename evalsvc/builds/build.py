@@ -1,0 +1,309 @@
+"""Engine builds: SGLang at a release, a git commit or a local tree, with known fixes patched in.
+
+SGLang's Python package is pure Python, so a build is a directory holding one ``sglang`` package
+(unpacked from a release wheel, exported from a git commit, or copied from a local tree) that is
+put first on ``PYTHONPATH`` of a base environment holding the native parts (torch, kernels). Each
+build is probed for the known fixes before and after its patches, and keeps a manifest of what it
+is. Builds are cached by (source, commit or version, patch set): a second request reuses the
+directory; a failed build leaves nothing behind.
+
+Sources:
+
+* ``sglang==0.5.23`` (or ``pypi:0.5.23``): a release from the package index.
+* ``git:REPO@COMMIT``: a commit of a git repository (a local path or a URL this machine reaches);
+  the package is taken from ``python/sglang`` (SGLang's layout) or ``sglang`` at the top.
+* ``path:DIR`` (or a directory): a local source tree with ``sglang/`` or ``python/sglang/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+
+from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
+from evalsvc.builds.probes import SourceTreeError, probe_all
+
+MANIFEST = "manifest.json"
+
+
+class BuildError(RuntimeError):
+    """A build that cannot be made; the message names the source, commit, patch or file."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # pypi | git | path
+    location: str  # package name, repository, or directory
+    ref: str | None  # version or commit (None for a local tree)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "pypi":
+            return f"sglang=={self.ref}"
+        if self.kind == "git":
+            return f"git:{self.location}@{self.ref}"
+        return f"path:{self.location}"
+
+
+def parse_source(text: str) -> Source:
+    """``sglang==X`` / ``pypi:X`` / ``git:REPO@COMMIT`` / ``path:DIR`` / an existing directory."""
+    text = text.strip()
+    m = re.fullmatch(r"(?:pypi:)?sglang==([\w.+-]+)", text) or re.fullmatch(r"pypi:([\w.+-]+)", text)
+    if m:
+        return Source("pypi", "sglang", m.group(1))
+    if text.startswith("git:"):
+        repo, sep, commit = text[4:].rpartition("@")
+        if not sep or not repo or not commit:
+            raise BuildError(f"source {text!r}: write git:REPOSITORY@COMMIT")
+        return Source("git", repo, commit)
+    if text.startswith("path:") or Path(text).is_dir():
+        path = Path(text.removeprefix("path:")).expanduser().resolve()
+        if not path.is_dir():
+            raise BuildError(f"source {text!r}: no such directory {path}")
+        return Source("path", str(path), None)
+    raise BuildError(f"source {text!r}: use sglang==VERSION, git:REPOSITORY@COMMIT or path:DIR")
+
+
+@dataclass
+class Build:
+    """A ready build: put ``site`` first on PYTHONPATH of the base environment."""
+
+    key: str
+    directory: Path
+    manifest: dict[str, Any] = field(default_factory=dict)
+    reused: bool = False
+
+    @property
+    def site(self) -> Path:
+        return self.directory / "site"
+
+    def env(self) -> dict[str, str]:
+        extra = os.environ.get("PYTHONPATH")
+        return {"PYTHONPATH": str(self.site) + (os.pathsep + extra if extra else "")}
+
+
+def cache_root() -> Path:
+    env = os.environ.get("EVALSVC_BUILDS_DIR")
+    if env:
+        return Path(env)
+    from evalsvc.settings import Settings
+
+    return Settings().data_dir.resolve() / "builds"
+
+
+def build_key(source: Source, resolved_ref: str | None, patches: list[str]) -> str:
+    ident = json.dumps({"kind": source.kind, "location": source.location, "ref": resolved_ref,
+                        "patches": sorted(set(patches))}, sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
+               base_python: str | None = None, root: Path | None = None) -> Build:
+    """Make (or reuse) the build of a source with patches; see the module docstring."""
+    source = parse_source(source_text)
+    unknown = [p for p in patches if p not in PATCHES]
+    if unknown:
+        raise BuildError(f"unknown patch {unknown[0]!r} (known: {', '.join(sorted(PATCHES))})")
+    patches = sorted(set(patches))
+    root = root or cache_root()
+    resolved = _resolve_ref(source)
+    key = build_key(source, resolved, patches)
+    final = root / key
+    if (final / MANIFEST).is_file():
+        return Build(key, final, json.loads((final / MANIFEST).read_text()), reused=True)
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=root))
+    try:
+        site = work / "site"
+        site.mkdir()
+        _fetch(source, resolved, site)
+        try:
+            before = [asdict(r) for r in probe_all(site)]
+        except SourceTreeError as exc:
+            raise BuildError(f"source {source.label}: {exc}") from None
+        changed = []
+        for name in patches:
+            try:
+                result = apply_patch(site, name)
+            except PatchError as exc:
+                raise BuildError(f"patch {name!r} does not apply to {source.label}: {exc}") from None
+            changed.extend(asdict(f) for f in result.changed)
+        after = [asdict(r) for r in probe_all(site)]
+        manifest = {
+            "key": key, "source": source.label, "kind": source.kind, "location": source.location,
+            "commit" if source.kind == "git" else "version": resolved,
+            "patches": patches, "probes_before": before, "probes_after": after,
+            "files_changed": changed, "package_hash": _tree_hash(site / "sglang"),
+            "base_env": base_env_info(base_python) if base_python else None,
+            "created_at": datetime.now(UTC).isoformat(),
+        }
+        text = json.dumps(manifest, indent=2, default=str).replace(str(work), str(final))
+        manifest = json.loads(text)
+        (work / MANIFEST).write_text(text + "\n")
+        try:
+            work.rename(final)
+        except OSError:  # built meanwhile by another process: keep theirs
+            shutil.rmtree(work, ignore_errors=True)
+            return Build(key, final, json.loads((final / MANIFEST).read_text()), reused=True)
+        return Build(key, final, manifest)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _resolve_ref(source: Source) -> str | None:
+    if source.kind == "git":
+        mirror = _git_mirror(source.location)
+        out = _git(["rev-parse", "--verify", "--quiet", f"{source.ref}^{{commit}}"], mirror,
+                   check=False)
+        if out.returncode != 0:
+            raise BuildError(f"source {source.label}: unknown commit {source.ref!r} in "
+                             f"{source.location}")
+        return out.stdout.strip()
+    return source.ref
+
+
+def _fetch(source: Source, resolved: str | None, site: Path) -> None:
+    if source.kind == "pypi":
+        wheel = download_wheel(resolved)
+        with zipfile.ZipFile(wheel) as zf:
+            members = [m for m in zf.namelist() if m.startswith("sglang/") and m.endswith(".py")]
+            zf.extractall(site, members)
+    elif source.kind == "git":
+        mirror = _git_mirror(source.location)
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = Path(tmp) / "tree.tar"
+            _git(["archive", "--format=tar", "-o", str(archive), resolved], mirror)
+            shutil.unpack_archive(str(archive), tmp + "/tree")
+            _copy_package(Path(tmp) / "tree", site, source.label)
+    else:
+        _copy_package(Path(source.location), site, source.label)
+    if not (site / "sglang" / "__init__.py").is_file():
+        raise BuildError(f"source {source.label}: no sglang package found")
+
+
+def _copy_package(tree: Path, site: Path, label: str) -> None:
+    for candidate in (tree / "python" / "sglang", tree / "sglang"):
+        if (candidate / "__init__.py").is_file():
+            shutil.copytree(candidate, site / "sglang",
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            return
+    raise BuildError(f"source {label}: neither python/sglang nor sglang in {tree}")
+
+
+# SGLang's wheels carry one compiled extension from 0.5.11 on; their Python sources are the same on
+# every platform, so the CPython 3.11 manylinux x86_64 wheel serves everywhere.
+WHEEL_PLATFORM = ["--platform", "manylinux_2_34_x86_64", "--python-version", "3.11",
+                  "--implementation", "cp", "--abi", "cp311"]
+
+
+def wheel_cache() -> Path:
+    configured = os.environ.get("EVALSVC_WHEEL_CACHE", "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "evalsvc" / "wheels"
+
+
+def cached_wheel(cache: Path, version: str) -> Path | None:
+    for path in sorted(cache.glob("sglang-*.whl")):
+        try:
+            name, found, _, _ = parse_wheel_filename(path.name)
+        except InvalidWheelFilename:
+            continue
+        if name == "sglang" and found == Version(version):
+            return path
+    return None
+
+
+def download_wheel(version: str) -> Path:
+    """The release's wheel, from the cache or downloaded into it (``pip download --no-deps``)."""
+    try:
+        Version(version)
+    except InvalidVersion:
+        raise BuildError(f"sglang=={version}: not a version number") from None
+    cache = wheel_cache()
+    found = cached_wheel(cache, version)
+    if found is not None:
+        return found
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               *WHEEL_PLATFORM, "--disable-pip-version-check", "--dest", tmp, f"sglang=={version}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, check=False)
+        except subprocess.TimeoutExpired:
+            raise BuildError(f"sglang=={version}: the download timed out") from None
+        got = cached_wheel(Path(tmp), version)
+        if done.returncode != 0 or got is None:
+            tail = " / ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+            raise BuildError(f"sglang=={version}: cannot download it from the package index "
+                             f"({tail})")
+        target = cache / got.name
+        os.replace(got, target)
+    return target
+
+
+def _git(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    if check and proc.returncode != 0:
+        raise BuildError(f"git {' '.join(args[:2])} failed in {cwd}: {proc.stderr.strip()[-300:]}")
+    return proc
+
+
+def _git_mirror(location: str) -> Path:
+    """A bare mirror of the repository under the builds cache, fetched on each use."""
+    mirrors = cache_root() / "git"
+    mirrors.mkdir(parents=True, exist_ok=True)
+    mirror = mirrors / hashlib.sha256(location.encode()).hexdigest()[:16]
+    if not mirror.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=".mirror-", dir=mirrors))
+        proc = subprocess.run(["git", "clone", "--bare", "--quiet", location, str(tmp / "repo")],
+                              capture_output=True, text=True,
+                              env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BuildError(f"repository {location}: cannot be cloned "
+                             f"({proc.stderr.strip().splitlines()[-1] if proc.stderr else 'no output'})")
+        (tmp / "repo").rename(mirror)
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        with contextlib.suppress(BuildError):
+            _git(["fetch", "--quiet", "--prune", "origin", "+refs/heads/*:refs/heads/*"], mirror)
+    return mirror
+
+
+def _tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*.py")):
+        h.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def base_env_info(python: str) -> dict[str, Any]:
+    """Versions of the base environment's python, torch and kernel packages."""
+    code = ("import json, platform, importlib.metadata as m\n"
+            "out = {'python': platform.python_version()}\n"
+            "for p in ('torch', 'sgl-kernel', 'sglang-kernel', 'flashinfer-python', 'triton'):\n"
+            "    try: out[p] = m.version(p)\n"
+            "    except m.PackageNotFoundError: pass\n"
+            "print(json.dumps(out))")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"base python {python}: cannot run it ({proc.stderr.strip()[-200:]})")
+    return {"executable": python, **json.loads(proc.stdout)}

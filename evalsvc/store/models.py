@@ -1,0 +1,190 @@
+"""Tables of the results store: portable across SQLite and PostgreSQL (generic column types only).
+
+A commit (repository + sha, or a released version) has engine builds (a patch set on top of it);
+a job asks for runs; a run is one config on one build, with its scenario verdicts, scalar metrics
+and per-sample statistics. Token-level arrays stay in the run's Parquet file (``samples_path``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING = {"ix": "ix_%(column_0_label)s", "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+          "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+          "pk": "pk_%(table_name)s"}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC datetime on every database: stored as UTC, read back with tzinfo
+    (SQLite keeps no offset of its own)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Commit(Base):
+    __tablename__ = "commits"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ref: Mapped[str] = mapped_column(String(300), unique=True)  # repository@sha or repository==version
+    repository: Mapped[str] = mapped_column(String(255))
+    sha: Mapped[str | None] = mapped_column(String(64))
+    version: Mapped[str | None] = mapped_column(String(100))
+    committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
+    branch: Mapped[str | None] = mapped_column(String(255))
+    builds: Mapped[list[Build]] = relationship(back_populates="commit")
+
+
+class Build(Base):
+    __tablename__ = "builds"
+    __table_args__ = (UniqueConstraint("commit_id", "patch_set"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    commit_id: Mapped[int] = mapped_column(ForeignKey("commits.id", ondelete="CASCADE"), index=True)
+    patch_set: Mapped[str] = mapped_column(String(500), default="")  # sorted names, comma-joined
+    probes: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    base_env: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    manifest: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    commit: Mapped[Commit] = relationship(back_populates="builds")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    trigger: Mapped[str] = mapped_column(String(20))  # api | nightly | cli | bisect
+    status: Mapped[str] = mapped_column(String(20), index=True)  # queued running done failed cancelled
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    error: Mapped[str | None] = mapped_column(Text)
+    runs: Mapped[list[Run]] = relationship(back_populates="job")
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (UniqueConstraint("job_id", "build_id", "fingerprint"),
+                      Index("ix_runs_fingerprint_build", "fingerprint", "build_id"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    build_id: Mapped[int] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"), index=True)
+    config: Mapped[str] = mapped_column(String(200), index=True)
+    matrix: Mapped[str] = mapped_column(String(100))
+    model: Mapped[str] = mapped_column(String(200))
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON)
+    requested_args: Mapped[dict[str, Any]] = mapped_column(JSON)
+    resolved_args: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    reference: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    command: Mapped[list[str] | None] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(20))  # pending running done
+    verdict: Mapped[str | None] = mapped_column(String(20))
+    reason: Mapped[str | None] = mapped_column(Text)
+    startup_seconds: Mapped[float | None] = mapped_column(Float)
+    seconds: Mapped[float | None] = mapped_column(Float)
+    log_path: Mapped[str | None] = mapped_column(String(1000))
+    samples_path: Mapped[str | None] = mapped_column(String(1000))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    job: Mapped[Job] = relationship(back_populates="runs")
+    build: Mapped[Build] = relationship()
+    scenarios: Mapped[list[ScenarioRow]] = relationship(cascade="all, delete-orphan",
+                                                        passive_deletes=True)
+    metrics: Mapped[list[Metric]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+    samples: Mapped[list[Sample]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+
+
+class ScenarioRow(Base):
+    __tablename__ = "scenarios"
+    __table_args__ = (UniqueConstraint("run_id", "scenario"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    scenario: Mapped[str] = mapped_column(String(40))
+    verdict: Mapped[str] = mapped_column(String(20))
+    reason: Mapped[str | None] = mapped_column(Text)
+    seconds: Mapped[float | None] = mapped_column(Float)
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (UniqueConstraint("run_id", "scenario", "name"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    scenario: Mapped[str] = mapped_column(String(40))
+    name: Mapped[str] = mapped_column(String(80))
+    value: Mapped[float | None] = mapped_column(Float)
+    ci_low: Mapped[float | None] = mapped_column(Float)
+    ci_high: Mapped[float | None] = mapped_column(Float)
+    count: Mapped[int | None] = mapped_column(Integer)
+
+
+class Sample(Base):
+    __tablename__ = "samples"
+    __table_args__ = (UniqueConstraint("run_id", "scenario", "sample_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    scenario: Mapped[str] = mapped_column(String(40))
+    sample_id: Mapped[str] = mapped_column(String(100))
+    prompt_id: Mapped[str] = mapped_column(String(200))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    host_cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    hit: Mapped[bool] = mapped_column(Boolean)
+    kl_k1_mean: Mapped[float | None] = mapped_column(Float)
+    kl_k2_mean: Mapped[float | None] = mapped_column(Float)
+    kl_k3_mean: Mapped[float | None] = mapped_column(Float)
+    kl_k3_max: Mapped[float | None] = mapped_column(Float)
+    topk_kl_mean: Mapped[float | None] = mapped_column(Float)
+    same_top_rate: Mapped[float | None] = mapped_column(Float)
+    first_divergence: Mapped[int | None] = mapped_column(Integer)
+    accept_length: Mapped[float | None] = mapped_column(Float)
+
+
+class GoldenRun(Base):
+    """The stored run a fingerprint's later runs may be compared with."""
+
+    __tablename__ = "golden_runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), unique=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    label: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    run: Mapped[Run] = relationship()

@@ -1,0 +1,194 @@
+"""The reads the API and the dashboard need, as plain dicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Row, func, select
+from sqlalchemy.orm import Session, selectinload
+
+from evalsvc.metrics import paired_difference_cis
+from evalsvc.store.models import Build, Commit, GoldenRun, Job, Metric, Run, Sample, ScenarioRow
+
+SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length"}
+
+
+def metric_history(session: Session, metric: str = "kl_k3_mean", *, fingerprint: str | None = None,
+                   config: str | None = None, scenario: str | None = None,
+                   patch_set: str | None = "", limit: int | None = None) -> list[dict[str, Any]]:
+    """A metric's values for one fingerprint (or config name), oldest commit first.
+
+    ``patch_set``: only builds with this patch set ("" = unpatched, None = any).
+    """
+    if fingerprint is None and config is None:
+        raise ValueError("metric_history needs a fingerprint or a config name")
+    q = (select(Commit.ref, Commit.sha, Commit.version, Commit.committed_at, Build.patch_set,
+                Run.id, Run.fingerprint, Run.config, Metric.scenario, Metric.value, Metric.ci_low,
+                Metric.ci_high, Metric.count)
+         .join(Build, Build.commit_id == Commit.id)
+         .join(Run, Run.build_id == Build.id)
+         .join(Metric, Metric.run_id == Run.id)
+         .where(Metric.name == metric))
+    q = q.where(Run.fingerprint == fingerprint) if fingerprint else q.where(Run.config == config)
+    if scenario is not None:
+        q = q.where(Metric.scenario == scenario)
+    if patch_set is not None:
+        q = q.where(Build.patch_set == patch_set)
+    q = q.order_by(Commit.committed_at, Run.id, Metric.scenario)
+    if limit is not None:
+        q = q.limit(limit)
+    keys = ("commit", "sha", "version", "committed_at", "patch_set", "run_id", "fingerprint",
+            "config", "scenario", "value", "ci_low", "ci_high", "count")
+    return [dict(zip(keys, row, strict=True)) for row in session.execute(q)]
+
+
+def latest_per_config(session: Session, matrix: str | None = None,
+                      branch: str | None = None) -> list[dict[str, Any]]:
+    """The newest run of every fingerprint (by commit time, then recording), with its verdicts."""
+    ranked = (select(Run.id.label("run_id"),
+                     func.row_number().over(partition_by=Run.fingerprint,
+                                            order_by=(Commit.committed_at.desc(),
+                                                      Run.id.desc())).label("rank"))
+              .join(Build, Run.build_id == Build.id).join(Commit, Build.commit_id == Commit.id))
+    if matrix is not None:
+        ranked = ranked.where(Run.matrix == matrix)
+    if branch is not None:
+        ranked = ranked.where(Commit.branch == branch)
+    ranked = ranked.subquery()
+    runs = session.scalars(select(Run).join(ranked, ranked.c.run_id == Run.id)
+                           .where(ranked.c.rank == 1)
+                           .options(selectinload(Run.scenarios),
+                                    selectinload(Run.build).selectinload(Build.commit))
+                           .order_by(Run.config)).all()
+    return [{"run_id": r.id, "config": r.config, "fingerprint": r.fingerprint,
+             "commit": r.build.commit.ref, "patch_set": r.build.patch_set, "verdict": r.verdict,
+             "scenarios": {s.scenario: s.verdict for s in r.scenarios}} for r in runs]
+
+
+def _build_runs(session: Session, build_id: int, job_id: str | None) -> dict[str, Row]:
+    """A build's runs as (id, fingerprint, config) rows by fingerprint; the newest run wins."""
+    q = select(Run.id, Run.fingerprint, Run.config).where(Run.build_id == build_id).order_by(Run.id)
+    if job_id is not None:
+        q = q.where(Run.job_id == job_id)
+    return {r.fingerprint: r for r in session.execute(q)}
+
+
+def compare(session: Session, baseline_build: int, contender_build: int, *,
+            metric: str = "kl_k3_mean", confidence: float = 0.95) -> list[dict[str, Any]]:
+    """Per config and scenario: both values, the delta (contender - baseline) and, where both
+    sides have per-sample values for the same samples, a paired bootstrap interval of it."""
+    base = _build_runs(session, baseline_build, None)
+    cont = _build_runs(session, contender_build, None)
+    common = sorted(set(base) & set(cont), key=lambda f: base[f].config)
+    run_ids = [base[f].id for f in common] + [cont[f].id for f in common]
+    # plain Core rows from here (the ORM's per-row work was a third of the time); _build_runs'
+    # session.execute has already autoflushed pending changes
+    conn = session.connection()
+    values: dict[tuple[int, str], float | None] = {}
+    scenarios_of: dict[int, set[str]] = {}
+    if run_ids:
+        for run_id, scen, value in conn.execute(
+                select(Metric.run_id, Metric.scenario, Metric.value)
+                .where(Metric.run_id.in_(run_ids), Metric.name == metric)).all():
+            values[(run_id, scen)] = value
+            scenarios_of.setdefault(run_id, set()).add(scen)
+    per_sample: dict[tuple[int, str], dict[str, float]] = {}
+    if metric in SAMPLE_METRICS and run_ids:
+        column = getattr(Sample, metric)
+        for run_id, scen, sid, val in conn.execute(
+                select(Sample.run_id, Sample.scenario, Sample.sample_id, column)
+                .where(Sample.run_id.in_(run_ids))).all():
+            if val is not None:
+                per_sample.setdefault((run_id, scen), {})[sid] = val
+    rows, pairs, paired_rows = [], [], []
+    for fp in common:
+        b, c = base[fp], cont[fp]
+        scenarios = sorted(scenarios_of.get(b.id, set()) | scenarios_of.get(c.id, set()))
+        for scen in scenarios:
+            bv, cv = values.get((b.id, scen)), values.get((c.id, scen))
+            row = {"config": b.config, "fingerprint": fp, "scenario": scen, "baseline": bv,
+                   "contender": cv, "delta": None if bv is None or cv is None else cv - bv,
+                   "ci_low": None, "ci_high": None, "paired_samples": 0,
+                   "baseline_run": b.id, "contender_run": c.id}
+            bs, cs = per_sample.get((b.id, scen), {}), per_sample.get((c.id, scen), {})
+            ids = sorted(set(bs) & set(cs))
+            if len(ids) >= 2:
+                pairs.append((np.array([bs[i] for i in ids]), np.array([cs[i] for i in ids])))
+                paired_rows.append(row)
+                row["paired_samples"] = len(ids)
+            rows.append(row)
+    for row, (_, low, high) in zip(paired_rows, paired_difference_cis(pairs, confidence, 1000),
+                                   strict=True):
+        row.update(ci_low=low, ci_high=high)
+    return rows
+
+
+def find_build(session: Session, ref: str, patch_set: str = "") -> Build | None:
+    return session.scalar(select(Build).join(Commit).where(Commit.ref == ref,
+                                                           Build.patch_set == patch_set))
+
+
+def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
+    job = session.get(Job, job_id)
+    if job is None:
+        return None
+    runs = session.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id)
+                           .options(selectinload(Run.scenarios))).all()
+    return {"id": job.id, "trigger": job.trigger, "status": job.status, "priority": job.priority,
+            "spec": job.spec, "created_at": job.created_at, "started_at": job.started_at,
+            "finished_at": job.finished_at, "error": job.error,
+            "runs": [{"id": r.id, "config": r.config, "fingerprint": r.fingerprint,
+                      "status": r.status, "verdict": r.verdict, "reason": r.reason,
+                      "scenarios": {s.scenario: s.verdict for s in r.scenarios}} for r in runs]}
+
+
+def run_detail(session: Session, run_id: int) -> dict[str, Any] | None:
+    run = session.get(Run, run_id, options=[selectinload(Run.scenarios),
+                                            selectinload(Run.metrics),
+                                            selectinload(Run.build).selectinload(Build.commit)])
+    if run is None:
+        return None
+    metrics: dict[str, dict[str, Any]] = {}
+    for m in run.metrics:
+        metrics.setdefault(m.scenario, {})[m.name] = (
+            {"value": m.value, "ci_low": m.ci_low, "ci_high": m.ci_high, "count": m.count}
+            if m.ci_low is not None else m.value)
+    return {"id": run.id, "job_id": run.job_id, "config": run.config, "matrix": run.matrix,
+            "model": run.model, "fingerprint": run.fingerprint, "settings": run.settings,
+            "requested_args": run.requested_args, "resolved_args": run.resolved_args,
+            "reference": run.reference, "command": run.command, "status": run.status,
+            "verdict": run.verdict, "reason": run.reason, "seconds": run.seconds,
+            "startup_seconds": run.startup_seconds, "log_path": run.log_path,
+            "samples_path": run.samples_path, "commit": run.build.commit.ref,
+            "patch_set": run.build.patch_set,
+            "scenarios": [{"scenario": s.scenario, "verdict": s.verdict, "reason": s.reason,
+                           "seconds": s.seconds, "metrics": metrics.get(s.scenario, {})}
+                          for s in run.scenarios]}
+
+
+def set_golden(session: Session, run_id: int, label: str | None = None) -> GoldenRun:
+    """Make a run the golden run of its fingerprint (replacing an earlier one)."""
+    run = session.get(Run, run_id)
+    if run is None:
+        raise KeyError(f"no run {run_id}")
+    golden = session.scalar(select(GoldenRun).where(GoldenRun.fingerprint == run.fingerprint))
+    if golden is None:
+        golden = GoldenRun(fingerprint=run.fingerprint, run_id=run_id, label=label)
+        session.add(golden)
+    else:
+        golden.run_id, golden.label = run_id, label
+    session.flush()
+    return golden
+
+
+def golden_runs(session: Session) -> list[dict[str, Any]]:
+    rows = session.execute(select(GoldenRun.fingerprint, GoldenRun.run_id, GoldenRun.label,
+                                  Run.config).join(Run, Run.id == GoldenRun.run_id)
+                           .order_by(Run.config))
+    return [{"fingerprint": f, "run_id": r, "label": lab, "config": c} for f, r, lab, c in rows]
+
+
+def scenario_verdicts(session: Session, run_id: int) -> dict[str, str]:
+    return {s.scenario: s.verdict for s in session.scalars(
+        select(ScenarioRow).where(ScenarioRow.run_id == run_id))}

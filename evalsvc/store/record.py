@@ -1,0 +1,203 @@
+"""Writing results: commits, builds, jobs and runs, idempotent and one transaction per run.
+
+Re-recording a run (same job, build and fingerprint) replaces it instead of adding another; a run
+whose write fails leaves nothing of itself behind. Token-level arrays go to a Parquet file per run
+under the results directory, referenced from the run row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from evalsvc.store.db import Store
+from evalsvc.store.models import Build, Commit, Job, Metric, Run, Sample, ScenarioRow, utcnow
+from evalsvc.types import RunResult
+
+SAMPLE_FIELDS = ("prompt_id", "prompt_tokens", "cached_tokens", "host_cached_tokens",
+                 "completion_tokens", "hit", "kl_k1_mean", "kl_k2_mean", "kl_k3_mean", "kl_k3_max",
+                 "topk_kl_mean", "same_top_rate", "first_divergence", "accept_length")
+TOKEN_FIELDS = ("output_ids", "decode_logprobs", "reference_logprobs")
+
+
+@dataclass
+class BuildRef:
+    """What was evaluated: a commit (or release) of a repository, plus a patch set."""
+
+    repository: str
+    sha: str | None = None
+    version: str | None = None
+    committed_at: datetime | None = None
+    branch: str | None = None
+    patches: list[str] = field(default_factory=list)
+    probes: dict[str, Any] | None = None
+    base_env: dict[str, Any] | None = None
+    manifest: dict[str, Any] | None = None
+
+    @property
+    def ref(self) -> str:
+        return f"{self.repository}@{self.sha}" if self.sha else f"{self.repository}=={self.version}"
+
+    @property
+    def patch_set(self) -> str:
+        return ",".join(sorted(set(self.patches)))
+
+
+def _utc(when: datetime | None) -> datetime | None:
+    """Aware UTC (a naive time is taken as UTC). SQLite stores a timestamp's wall time and drops
+    its offset, so commit times with offsets would compare wrongly there unless made UTC first."""
+    if when is None:
+        return None
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
+
+
+def ensure_commit(session: Session, b: BuildRef) -> Commit:
+    committed_at = _utc(b.committed_at)
+    commit = session.scalar(select(Commit).where(Commit.ref == b.ref))
+    if commit is None:
+        commit = Commit(ref=b.ref, repository=b.repository, sha=b.sha, version=b.version,
+                        committed_at=committed_at, branch=b.branch)
+        session.add(commit)
+        session.flush()
+    else:
+        commit.committed_at = commit.committed_at or committed_at
+        commit.branch = commit.branch or b.branch
+    return commit
+
+
+def ensure_build(session: Session, b: BuildRef) -> Build:
+    commit = ensure_commit(session, b)
+    build = session.scalar(select(Build).where(Build.commit_id == commit.id,
+                                               Build.patch_set == b.patch_set))
+    if build is None:
+        build = Build(commit_id=commit.id, patch_set=b.patch_set, probes=b.probes,
+                      base_env=b.base_env, manifest=b.manifest)
+        session.add(build)
+        session.flush()
+    return build
+
+
+def ensure_job(session: Session, job_id: str, trigger: str, spec: dict[str, Any],
+               priority: int = 0, status: str = "running") -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        job = Job(id=job_id, trigger=trigger, spec=spec, priority=priority, status=status,
+                  started_at=utcnow() if status == "running" else None)
+        session.add(job)
+        session.flush()
+    return job
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def metric_rows(scenario: str, metrics: dict[str, Any]) -> list[Metric]:
+    """Scalar metrics of one scenario; the KL mean carries its interval and sample count."""
+    rows = []
+    for name, value in metrics.items():
+        if name in ("kl_k3_ci_low", "kl_k3_ci_high", "kl_k3_n_samples"):
+            continue
+        v = _number(value)
+        if v is None and value is not None:
+            continue
+        row = Metric(scenario=scenario, name=name, value=v)
+        if name == "kl_k3_mean":
+            row.ci_low = _number(metrics.get("kl_k3_ci_low"))
+            row.ci_high = _number(metrics.get("kl_k3_ci_high"))
+            n = metrics.get("kl_k3_n_samples")
+            row.count = int(n) if n is not None else None
+        rows.append(row)
+    return rows
+
+
+def write_samples_parquet(result: RunResult, path: Path) -> Path | None:
+    import pandas as pd
+
+    rows = [{"scenario": s.scenario, "sample_id": row["sample_id"],
+             **{k: row.get(k) for k in SAMPLE_FIELDS + TOKEN_FIELDS}}
+            for s in result.scenarios for row in s.samples]
+    if not rows:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    pd.DataFrame(rows).to_parquet(tmp, index=False)
+    tmp.replace(path)
+    return path
+
+
+def record_run(session: Session, job: Job, build: Build, matrix: str, result: RunResult,
+               samples_path: Path | None) -> Run:
+    run = session.scalar(select(Run).where(Run.job_id == job.id, Run.build_id == build.id,
+                                           Run.fingerprint == result.fingerprint))
+    if run is None:
+        run = Run(job_id=job.id, build_id=build.id, fingerprint=result.fingerprint)
+        session.add(run)
+    else:  # re-recorded: replace what it had
+        run.scenarios.clear()
+        run.metrics.clear()
+        run.samples.clear()
+        session.flush()
+    run.config, run.matrix, run.model = result.config, matrix, result.model
+    run.settings = result.settings
+    run.requested_args = result.requested_args
+    run.resolved_args = result.resolved_args
+    run.reference = result.reference
+    run.command = result.command
+    run.status, run.verdict, run.reason = "done", result.verdict, result.reason or None
+    run.startup_seconds, run.seconds = result.startup_seconds, result.seconds
+    run.log_path = result.log_path
+    run.samples_path = str(samples_path) if samples_path else None
+    run.finished_at = utcnow()
+    for s in result.scenarios:
+        run.scenarios.append(ScenarioRow(scenario=s.scenario, verdict=s.verdict,
+                                         reason=s.reason or None, seconds=s.seconds))
+        run.metrics.extend(metric_rows(s.scenario, s.metrics))
+        for row in s.samples:
+            run.samples.append(Sample(scenario=s.scenario, sample_id=row["sample_id"],
+                                      **{k: row.get(k) for k in SAMPLE_FIELDS}))
+    session.flush()
+    return run
+
+
+def record_results(store: Store, *, job_id: str, trigger: str, spec: dict[str, Any],
+                   build: BuildRef, matrix: str, results: list[RunResult],
+                   results_dir: Path) -> list[int]:
+    """Record a job's runs; each run in a transaction of its own. Returns the run ids.
+
+    A run's Parquet file is written aside first and moved into place once its rows are committed:
+    a run that fails leaves no file, and a failed re-recording keeps the recorded run's file."""
+    with store.session() as s:
+        ensure_job(s, job_id, trigger, spec)
+        build_id = ensure_build(s, build).id
+    ids = []
+    for result in results:
+        path = results_dir / job_id / f"{result.fingerprint}.parquet"
+        staged = write_samples_parquet(result, path.with_name(f"{path.stem}.staged.parquet"))
+        try:
+            with store.session() as s:
+                job = s.get(Job, job_id)
+                run = record_run(s, job, s.get(Build, build_id), matrix, result,
+                                 path if staged else None)
+                run_id = run.id
+        except BaseException:
+            if staged:
+                staged.unlink(missing_ok=True)
+            raise
+        if staged:
+            staged.replace(path)
+        else:
+            path.unlink(missing_ok=True)  # re-recorded without samples: the old file is stale
+        ids.append(run_id)
+    with store.session() as s:
+        job = s.get(Job, job_id)
+        job.status, job.finished_at = "done", utcnow()
+    return ids

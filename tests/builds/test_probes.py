@@ -1,0 +1,338 @@
+"""The fix probes and patches against real SGLang releases from PyPI, and against small synthetic trees.
+
+Wheels are downloaded once (``pip download --no-deps``, for CPython 3.11 on manylinux x86_64, the
+sources are the same everywhere) into ``$EVALSVC_WHEEL_CACHE`` (default ``~/.cache/evalsvc/wheels``)
+and reused; each test session unpacks their Python sources into a temporary directory. With ``CI``
+set a wheel that cannot be downloaded fails the tests; elsewhere they are skipped with the reason.
+
+Releases (what the probes must say, found by reading every release from 0.5.1 to 0.5.23):
+
+* 0.5.3: ``MambaPool`` but no Mamba radix cache (hybrid GDN models disable the radix cache):
+  both fixes not applicable.
+* 0.5.12.post1: ``MambaRadixCache`` copying with ``fork_from`` on the scheduler, no deferred
+  COW/clear: #24954 absent, #37165 not applicable. The last release before #24954.
+* 0.5.13: first release with #24954 (executor in the attention backend, an ``is_spec_v2`` branch
+  first in ``prepare_for_decode``); #37165 absent.
+* 0.5.19: #24954 (executor in ``ModelRunner``), #37165 absent. The last release before #37165.
+* 0.5.20: both present, the first release with #37165.
+* 0.5.23: both present; ``mamba_radix_cache.py`` is gone, the Mamba cache is
+  ``unified_cache/components/mamba.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import py_compile
+import shutil
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from evalsvc.builds.build import BuildError, download_wheel
+from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
+from evalsvc.builds.probes import (
+    CLEAR_DEFERRED_MAMBA_METADATA,
+    DEFERRED_FIELDS,
+    FIXES,
+    FORWARD_STREAM_MAMBA_OPS,
+    SourceTreeError,
+    Status,
+    probe,
+    probe_all,
+)
+
+A, B = FORWARD_STREAM_MAMBA_OPS, CLEAR_DEFERRED_MAMBA_METADATA
+NA, ABSENT, PRESENT = Status.NOT_APPLICABLE, Status.ABSENT, Status.PRESENT
+EXPECTED: dict[str, dict[str, Status]] = {
+    "0.5.3": {A: NA, B: NA},
+    "0.5.12.post1": {A: ABSENT, B: NA},
+    "0.5.13": {A: PRESENT, B: ABSENT},
+    "0.5.19": {A: PRESENT, B: ABSENT},
+    "0.5.20": {A: PRESENT, B: PRESENT},
+    "0.5.23": {A: PRESENT, B: PRESENT},
+}
+SCHEDULE_BATCH = "sglang/srt/managers/schedule_batch.py"
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def unpack_sources(wheel: Path, dest: Path) -> Path:
+    """The wheel's Python files and its ``.dist-info`` (not its compiled extensions) under ``dest``."""
+    with zipfile.ZipFile(wheel) as archive:
+        members = [m for m in archive.namelist() if m.endswith(".py") or ".dist-info/" in m]
+        archive.extractall(dest, members)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def release_tree(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``release_tree(version)``: an unpacked wheel root (shared by the session: do not modify)."""
+    roots: dict[str, Path] = {}
+    failures: dict[str, str] = {}  # tried once per session
+
+    def get(version: str) -> Path:
+        if version not in roots and version not in failures:
+            try:
+                wheel = download_wheel(version)
+            except BuildError as exc:
+                failures[version] = str(exc)
+            else:
+                roots[version] = unpack_sources(wheel, tmp_path_factory.mktemp(f"sglang-{version}"))
+        if version in failures:
+            if not in_ci():
+                pytest.skip(f"sglang {version} wheel not available (CI is not set): {failures[version]}")
+            pytest.fail(failures[version], pytrace=False)
+        return roots[version]
+
+    return get
+
+
+@pytest.fixture
+def writable_tree(release_tree: Callable[[str], Path], tmp_path: Path) -> Callable[[str], Path]:
+    """``writable_tree(version)``: a private copy of the release's unpacked tree."""
+
+    def get(version: str) -> Path:
+        return Path(shutil.copytree(release_tree(version), tmp_path / version))
+
+    return get
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def decode_head(path: Path) -> tuple[list[ast.stmt], int]:
+    """Top-level statements of ScheduleBatch.prepare_for_decode and the index of its first `if` that
+    tests something speculative (found independently of the probe's helpers)."""
+    module = ast.parse(path.read_bytes())
+    cls = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "ScheduleBatch")
+    func = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "prepare_for_decode")
+    spec = next(i for i, s in enumerate(func.body) if isinstance(s, ast.If) and "spec" in ast.unparse(s.test))
+    return func.body, spec
+
+
+def cleared_at(body: list[ast.stmt], name: str) -> int | None:
+    for i, stmt in enumerate(body):
+        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and ast.unparse(stmt.targets[0]) == f"self.{name}"
+                and isinstance(stmt.value, ast.Constant) and stmt.value.value is None):
+            return i
+    return None
+
+
+# --- against the releases ----------------------------------------------------------------------
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("version", list(EXPECTED))
+def test_probes_per_release(version: str, release_tree: Callable[[str], Path]) -> None:
+    root = release_tree(version)
+    results = probe_all(root)
+    assert [r.fix for r in results] == list(FIXES)
+    got = {r.fix: r.status for r in results}
+    assert got == EXPECTED[version], "\n".join(line for r in results for line in [r.fix, *r.evidence])
+    for result in results:
+        assert result.evidence[0].startswith(f"sglang {version} at ")
+        assert len(result.evidence) > 1
+        single = probe(root, result.fix)
+        assert (single.status, single.evidence) == (result.status, result.evidence)
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(
+    ("version", "fix", "expected"),
+    [
+        ("0.5.3", A, "no Mamba prefix-cache class"),
+        ("0.5.12.post1", A, "fork_from(...) copy still called in sglang/srt/mem_cache/mamba_radix_cache.py: "
+                            "MambaRadixCache.cache_unfinished_req"),
+        ("0.5.12.post1", B, "ScheduleBatch has no mamba_cow_src_indices"),
+        ("0.5.13", A, "[found] sglang/srt/layers/attention/hybrid_linear_attn_backend.py: executor "
+                      "MambaAttnBackendBase._execute_deferred_mamba_cow_and_clear"),
+        ("0.5.13", B, "speculative branch `if self.is_spec_v2:`"),
+        ("0.5.19", A, "[found] sglang/srt/model_executor/model_runner.py: executor "
+                      "ModelRunner._maybe_execute_deferred_mamba_cow_and_clear"),
+        ("0.5.19", B, "[missing] sglang/srt/managers/schedule_batch.py: ScheduleBatch.prepare_for_decode: "
+                      "self.mamba_clear_indices = None before the speculative branch"),
+        ("0.5.23", A, "Mamba prefix caches: sglang/srt/mem_cache/unified_cache/components/mamba.py: "
+                      "MambaComponent"),
+        ("0.5.23", B, "[found] sglang/srt/managers/schedule_batch.py: ScheduleBatch.prepare_for_decode: "
+                      "self.mamba_cow_src_indices = None"),
+    ],
+)
+def test_probe_evidence_follows_moved_code(
+    version: str, fix: str, expected: str, release_tree: Callable[[str], Path]
+) -> None:
+    evidence = probe(release_tree(version), fix).evidence
+    assert any(expected in line for line in evidence), "\n".join(evidence)
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.19"])
+def test_patch_clear_metadata(version: str, writable_tree: Callable[[str], Path]) -> None:
+    root = writable_tree(version)
+    before = tree_hashes(root)
+    assert probe(root, B).status is ABSENT
+
+    result = apply_patch(root, B)
+
+    assert (result.before.status, result.after.status, result.version) == (ABSENT, PRESENT, version)
+    assert probe(root, B).status is PRESENT
+    assert probe(root, A).status is PRESENT
+    after = tree_hashes(root)
+    assert [c.path for c in result.changed] == [SCHEDULE_BATCH]
+    assert {k for k in before if before[k] != after.get(k)} == {SCHEDULE_BATCH}
+    assert set(after) == set(before)
+    for change in result.changed:
+        assert (change.sha256_before, change.sha256_after) == (before[change.path], after[change.path])
+        py_compile.compile(str(root / change.path), cfile=str(root.parent / "patched.pyc"), doraise=True)
+    body, spec = decode_head(root / SCHEDULE_BATCH)
+    positions = [cleared_at(body, name) for name in DEFERRED_FIELDS]
+    assert all(p is not None and p < spec for p in positions), positions
+    assert positions == sorted(positions)
+    assert cleared_at(body[: positions[0]], "forward_mode") is None  # assigned, not cleared
+    assert any(ast.unparse(s).startswith("self.forward_mode = ") for s in body[: positions[0]])
+    assert any(ast.unparse(s) == "self.input_embeds = None" for s in body[: positions[0]])
+
+    again = apply_patch(root, B)
+    assert again.changed == [] and again.before.status is PRESENT
+    assert tree_hashes(root) == after
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+def test_patched_0_5_19_matches_0_5_20(
+    writable_tree: Callable[[str], Path], release_tree: Callable[[str], Path]
+) -> None:
+    """The backport puts the statements where SGLang's own fix did: 0.5.19 patched has the head of
+    prepare_for_decode (everything before the speculative branch) that 0.5.20 has."""
+    root = writable_tree("0.5.19")
+    apply_patch(root, B)
+    patched, patched_spec = decode_head(root / SCHEDULE_BATCH)
+    fixed, fixed_spec = decode_head(release_tree("0.5.20") / SCHEDULE_BATCH)
+    assert patched_spec == fixed_spec
+    assert [ast.dump(s) for s in patched[: patched_spec + 1]] == [
+        ast.dump(s) for s in fixed[: fixed_spec + 1]
+    ]
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+def test_patches_refused_before_the_fixed_code_exists(writable_tree: Callable[[str], Path]) -> None:
+    root = writable_tree("0.5.12.post1")
+    before = tree_hashes(root)
+    with pytest.raises(PatchError, match=r"pr37165-clear-deferred-mamba-metadata: not applicable to sglang "
+                                         r"0\.5\.12\.post1.*ScheduleBatch has no mamba_cow_src_indices"):
+        apply_patch(root, B)
+    assert tree_hashes(root) == before
+    with pytest.raises(PatchError, match=r"PR #24954 backport not available for sglang 0\.5\.12\.post1; "
+                                         r"evaluate a release that contains it"):
+        apply_patch(root, A)
+    assert tree_hashes(root) == before
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+def test_forward_stream_patch_not_applicable_and_already_present(
+    writable_tree: Callable[[str], Path], release_tree: Callable[[str], Path]
+) -> None:
+    root = writable_tree("0.5.3")
+    before = tree_hashes(root)
+    with pytest.raises(PatchError, match=r"pr24954-forward-stream-mamba-ops: not applicable to sglang "
+                                         r"0\.5\.3 .*no Mamba prefix-cache class"):
+        apply_patch(root, A)
+    assert tree_hashes(root) == before
+    present = apply_patch(release_tree("0.5.13"), A)
+    assert present.changed == [] and present.after.status is PRESENT
+
+
+# --- without wheels ----------------------------------------------------------------------------
+
+
+def test_unknown_patch_and_fix_names(tmp_path: Path) -> None:
+    with pytest.raises(PatchError, match=r"unknown patch 'pr99999-nothing'; known: pr37165-clear-deferred"):
+        apply_patch(tmp_path, "pr99999-nothing")
+    with pytest.raises(ValueError, match=r"unknown fix 'pr99999-nothing'"):
+        probe(tmp_path, "pr99999-nothing")
+    assert set(PATCHES) == set(FIXES)
+    assert PATCHES[B].available and not PATCHES[A].available
+
+
+@pytest.mark.parametrize("layout", ["empty", "package-without-srt", "not-a-package"])
+def test_probe_without_sglang_is_a_clear_error(tmp_path: Path, layout: str) -> None:
+    if layout == "package-without-srt":
+        (tmp_path / "sglang").mkdir()
+        (tmp_path / "sglang" / "__init__.py").write_text("")
+    elif layout == "not-a-package":
+        (tmp_path / "sglang" / "srt").mkdir(parents=True)
+    with pytest.raises(SourceTreeError, match=rf"{tmp_path}: no sglang package here"):
+        probe_all(tmp_path)
+    with pytest.raises(SourceTreeError, match="no sglang package here"):
+        apply_patch(tmp_path, B)
+
+
+SYNTHETIC_BATCH = """\
+class ScheduleBatch:
+    mamba_cow_src_indices = None
+    mamba_cow_dst_indices = None
+    mamba_clear_indices = None
+
+    def prepare_for_decode(self):
+        \"\"\"Docstring.\"\"\"
+        self.forward_mode = ForwardMode.DECODE
+        self.input_embeds = None  # reset
+{middle}
+    def filter_batch(self):
+        self.mamba_cow_src_indices = None
+"""
+SPEC_BRANCH = """\
+        if not self.spec_algorithm.is_none():
+            return
+        self.seq_lens = self.seq_lens + 1
+"""
+
+
+def synthetic_tree(root: Path, middle: str, newline: str = "\n") -> Path:
+    pkg = root / "python" / "sglang"
+    (pkg / "srt" / "managers").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "version.py").write_text('__version__ = "0.0.0.synthetic"\n')
+    text = SYNTHETIC_BATCH.format(middle=middle).replace("\n", newline)
+    (pkg / "srt" / "managers" / "schedule_batch.py").write_bytes(text.encode())
+    return root
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_patch_on_a_checkout_layout_keeps_line_endings(tmp_path: Path, newline: str) -> None:
+    root = synthetic_tree(tmp_path, SPEC_BRANCH, newline)
+    target = root / "python" / SCHEDULE_BATCH
+    assert probe(root, B).status is ABSENT
+    assert probe(root, A).status is NA
+
+    result = apply_patch(root, B)
+
+    assert result.version == "0.0.0.synthetic" and result.after.status is PRESENT
+    data = target.read_bytes()
+    assert data.count(b"\r\n") == (data.count(b"\n") if newline == "\r\n" else 0)
+    lines = data.decode().splitlines()
+    start = lines.index("        self.input_embeds = None  # reset")
+    assert lines[start + 1: start + 6] == ["", *(f"        self.{n} = None" for n in DEFERRED_FIELDS),
+                                           "        if not self.spec_algorithm.is_none():"]
+
+
+def test_patch_without_its_anchor_raises_and_changes_nothing(tmp_path: Path) -> None:
+    root = synthetic_tree(tmp_path, "        self.seq_lens = self.seq_lens + 1\n")
+    before = tree_hashes(root)
+    assert probe(root, B).status is ABSENT
+    with pytest.raises(PatchError, match=r"pr37165-clear-deferred-mamba-metadata: .*schedule_batch\.py: .*"
+                                         r"no speculative branch.*nothing was changed"):
+        apply_patch(root, B)
+    assert tree_hashes(root) == before
