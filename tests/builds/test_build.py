@@ -117,3 +117,23 @@ def test_probe_cli_json(tmp_path):
     rows = json.loads(out.stdout)
     assert {r["fix"]: r["status"] for r in rows} == {BIG: "present", FIX: "present"}
     assert all(r["evidence"] for r in rows)
+
+
+def test_build_cli_prints_the_manifest(tmp_path):
+    wheel_or_skip("0.5.19")
+    cmd = [sys.executable, "-m", "evalsvc.cli", "build", "sglang==0.5.19", "--patch", FIX,
+           "--base-python", sys.executable]
+    env = {**os.environ, "EVALSVC_BUILDS_DIR": str(tmp_path)}
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr
+    manifest = json.loads(first.stdout)
+    assert manifest["version"] == "0.5.19" and manifest["patches"] == [FIX]
+    assert statuses(manifest, "probes_before")[FIX] == "absent"
+    assert statuses(manifest, "probes_after")[FIX] == "present"
+    assert manifest["base_env"]["python"].startswith("3.11") and "torch" in manifest["base_env"]
+    second = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                                       env=env).stdout)
+    assert second["reused"] and second["directory"] == manifest["directory"]
+    bad = subprocess.run([sys.executable, "-m", "evalsvc.cli", "build", "sglang==0.5.19", "--patch",
+                          "nope"], capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 2 and "unknown patch 'nope'" in bad.stderr
