@@ -239,6 +239,101 @@ def build(
                           indent=2))
 
 
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="default: EVALSVC_HOST or 127.0.0.1")] = None,
+    port: Annotated[int | None, typer.Option(help="default: EVALSVC_PORT or 8000")] = None,
+) -> None:
+    """Run the service: REST API, job runner and nightly schedules (uvicorn)."""
+    import ipaddress
+    import logging
+
+    import uvicorn
+
+    from evalsvc.api.app import create_app
+    from evalsvc.settings import Settings
+
+    settings = Settings()
+    host = host or settings.host
+    port = port or settings.port
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    log = logging.getLogger("evalsvc.serve")
+    if not settings.api_token:
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            typer.echo(f"error: --host {host}: without EVALSVC_API_TOKEN the service binds to "
+                       "loopback only (set a token to serve other hosts)", err=True)
+            raise typer.Exit(2)
+        log.warning("no EVALSVC_API_TOKEN: mutating endpoints are open, so the service binds to "
+                    "%s (loopback) only", host)
+    log.info("database %s; docs at http://%s:%d/docs", settings.resolved_database_url(), host,
+             port)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=30)
+
+
+@app.command()
+def nightly(
+    once: Annotated[bool, typer.Option("--once", help="fire every enabled schedule now")] = False,
+    schedule: Annotated[list[str] | None, typer.Option(help="only these schedules")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="run the submitted jobs here and wait "
+                                                       "for them")] = False,
+) -> None:
+    """Fire the nightly schedules once: resolve the newest commit or release, skip what is
+    evaluated, submit a job with trigger nightly."""
+    import time
+
+    from evalsvc.dispatch.local import LocalDispatcher
+    from evalsvc.jobs import JobService
+    from evalsvc.nightly import NightlyError, fire, load_schedules
+    from evalsvc.settings import Settings
+    from evalsvc.store.db import Store
+    from evalsvc.store.models import Job
+
+    if not once:
+        typer.echo("error: use --once (the service runs the schedules on their crons)", err=True)
+        raise typer.Exit(2)
+    settings = Settings()
+    try:
+        schedules = [s for s in load_schedules(settings.nightly_file)
+                     if s.enabled and (not schedule or s.name in schedule)]
+    except NightlyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    store = Store(settings.resolved_database_url())
+    jobs = JobService(settings, store, LocalDispatcher(settings.engine_slots))
+    submitted = []
+    try:
+        for s in schedules:
+            try:
+                job_id = fire(s, jobs, store)
+            except (NightlyError, ValueError) as exc:
+                typer.echo(f"{s.name}: error: {exc}", err=True)
+                continue
+            typer.echo(f"{s.name}: " + (f"submitted job {job_id}" if job_id
+                                        else "newest already evaluated"))
+            if job_id:
+                submitted.append(job_id)
+        if wait and submitted:
+            jobs.start()
+            while True:
+                with store.session() as sess:
+                    states = {j: sess.get(Job, j).status for j in submitted}
+                if all(v in ("done", "failed", "cancelled") for v in states.values()):
+                    break
+                time.sleep(1)
+            for j, v in states.items():
+                typer.echo(f"job {j}: {v}")
+    finally:
+        jobs.stop()
+        store.close()
+
+
 db_app = typer.Typer(no_args_is_help=True, help="The results store's schema.")
 app.add_typer(db_app, name="db")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,46 @@ log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
 
 
-ORDER = ["pass", "inconclusive", "fail", "invalid", "error"]
+ORDER = ["pass", "inconclusive", "fail", "invalid", "error", "cancelled"]
 
 
 def worst(verdicts: list[str]) -> str:
     return max(verdicts, key=ORDER.index) if verdicts else "pass"
 
 
+class RunControl:
+    """Lets another thread watch a run's engine and stop the run (cancel): the engine's process
+    group is stopped at once, and no further scenario starts."""
+
+    def __init__(self, on_engine=None) -> None:
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._on_engine = on_engine
+        self.proc: EngineProcess | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def engine_started(self, proc: EngineProcess) -> None:
+        with self._lock:
+            self.proc = proc
+            if self._on_engine is not None:
+                self._on_engine(proc)
+            if self.cancelled:
+                proc.stop()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._lock:
+            if self.proc is not None:
+                self.proc.stop(grace=5)
+
+
 def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
                prompts: list[tuple[str, list[int]]], log_dir: Path | None = None,
-               reference: EngineClient | None = None, on_scenario=None) -> RunResult:
+               reference: EngineClient | None = None, on_scenario=None,
+               control: RunControl | None = None) -> RunResult:
     """Run every scenario of one config on a fresh engine."""
     t0 = time.monotonic()
     result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
@@ -49,6 +80,8 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
     client: EngineClient | None = None
     try:
         proc = start_engine(config, spec, log_path)
+        if control is not None:
+            control.engine_started(proc)
         result.command = proc.argv
         result.startup_seconds = proc.startup_seconds
         draft = config.args.get("speculative_num_draft_tokens")
@@ -67,6 +100,8 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
                       max_total_tokens=resolved.get("max_total_tokens")
                       or resolved.get("max_total_num_tokens"))
         for name in config.scenarios:
+            if control is not None and control.cancelled:
+                break
             scen = run_scenario(name, ctx, config, matrix, resolved)
             died = scen.verdict == "error" and exited(proc)
             if died:  # say so in this scenario's reason too, not only in the ones it skips
@@ -79,10 +114,16 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
                 for rest in config.scenarios[len(result.scenarios):]:
                     result.scenarios.append(ScenarioResult(rest, "error", reason))
                 break
+        if control is not None and control.cancelled:
+            result.verdict, result.reason = "cancelled", "the job was cancelled"
+            return result
         result.verdict = worst([s.verdict for s in result.scenarios])
         if result.verdict == "error":
             result.reason = next(s.reason for s in result.scenarios if s.verdict == "error")
     except EngineStartError as exc:
+        if control is not None and control.cancelled:
+            result.verdict, result.reason = "cancelled", "the job was cancelled"
+            return result
         result.reason = f"engine did not start: {exc}"
         log.error("run %s: %s", config.name, result.reason)
     except Exception as exc:

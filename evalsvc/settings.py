@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -12,6 +14,23 @@ class Settings(BaseSettings):
 
     data_dir: Path = Path("data")
     database_url: str | None = None  # default: SQLite in data_dir
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_token: str | None = None  # bearer token for mutating endpoints
+    read_token: str | None = None  # bearer token for reads (open when unset)
+    engine_slots: int = 1  # runs at once (engines on this machine)
+    engine_python: str | None = None  # python of the SGLang environment builds are laid over
+    # fnmatch patterns of the build sources jobs may name (comma-separated in the environment)
+    allowed_sources: Annotated[list[str], NoDecode] = ["sglang==*", "pypi:*"]
+    nightly_file: Path | None = None  # default: configs/nightly.yaml
+    nightly: bool = True  # run the nightly schedules inside the service
+
+    @field_validator("allowed_sources", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
 
     def resolved_database_url(self) -> str:
         if self.database_url:

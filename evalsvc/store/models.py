@@ -114,7 +114,8 @@ class Run(Base):
     resolved_args: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     reference: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     command: Mapped[list[str] | None] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(20))  # pending running done
+    status: Mapped[str] = mapped_column(String(20), index=True)  # pending running done cancelled
+    engine_pid: Mapped[int | None] = mapped_column(Integer)  # its process group while running
     verdict: Mapped[str | None] = mapped_column(String(20))
     reason: Mapped[str | None] = mapped_column(Text)
     startup_seconds: Mapped[float | None] = mapped_column(Float)

@@ -152,7 +152,9 @@ def record_run(session: Session, job: Job, build: Build, matrix: str, result: Ru
     run.resolved_args = result.resolved_args
     run.reference = result.reference
     run.command = result.command
-    run.status, run.verdict, run.reason = "done", result.verdict, result.reason or None
+    run.status = "cancelled" if result.verdict == "cancelled" else "done"
+    run.verdict, run.reason = result.verdict, result.reason or None
+    run.engine_pid = None
     run.startup_seconds, run.seconds = result.startup_seconds, result.seconds
     run.log_path = result.log_path
     run.samples_path = str(samples_path) if samples_path else None
@@ -165,6 +167,20 @@ def record_run(session: Session, job: Job, build: Build, matrix: str, result: Ru
             run.samples.append(Sample(scenario=s.scenario, sample_id=row["sample_id"],
                                       **{k: row.get(k) for k in SAMPLE_FIELDS}))
     session.flush()
+    return run
+
+
+def plan_run(session: Session, job: Job, build: Build, matrix: str, config) -> Run:
+    """A pending run of a config (a ``matrix.Config``) in a job, unless the job has it already."""
+    run = session.scalar(select(Run).where(Run.job_id == job.id, Run.build_id == build.id,
+                                           Run.fingerprint == config.fingerprint))
+    if run is None:
+        run = Run(job_id=job.id, build_id=build.id, fingerprint=config.fingerprint,
+                  config=config.name, matrix=matrix, model=config.model,
+                  settings=dict(config.settings), requested_args=dict(config.args),
+                  status="pending")
+        session.add(run)
+        session.flush()
     return run
 
 

@@ -1,0 +1,245 @@
+"""REST routes under /api/v1: jobs, commits and results, history, comparisons, matrices, golden runs."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query
+from pydantic import BaseModel, Field
+from sqlalchemy import func, select
+
+from evalsvc.api.deps import ServicesDep, SessionDep, require_read, require_write
+from evalsvc.jobs import JobCreate, JobError
+from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
+from evalsvc.store import queries
+from evalsvc.store.models import Build, Commit, Job, Run
+
+router = APIRouter(dependencies=[Depends(require_read)])
+JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+RunId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+
+
+class JobPublic(BaseModel):
+    id: str
+    trigger: str
+    status: str
+    priority: int
+    matrix: str
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+
+
+class RunProgress(BaseModel):
+    id: int
+    config: str
+    fingerprint: str
+    build: str
+    status: str
+    verdict: str | None = None
+    reason: str | None = None
+    scenarios: dict[str, str] = Field(default_factory=dict)
+
+
+class JobDetail(JobPublic):
+    spec: dict[str, Any]
+    runs: list[RunProgress]
+    progress: dict[str, int]
+    comparison: list[dict[str, Any]] | None = None
+
+
+class GoldenCreate(BaseModel):
+    run_id: int = Field(..., ge=1, le=2**31 - 1)
+    label: str | None = Field(None, max_length=200)
+
+
+def _public(job: Job) -> JobPublic:
+    return JobPublic(id=job.id, trigger=job.trigger, status=job.status, priority=job.priority,
+                     matrix=job.spec.get("matrix_name", ""), created_at=job.created_at,
+                     started_at=job.started_at, finished_at=job.finished_at, error=job.error)
+
+
+@router.post("/jobs", status_code=201, response_model=JobPublic, tags=["jobs"],
+             dependencies=[Depends(require_write)])
+def create_job(body: JobCreate, services: ServicesDep) -> JobPublic:
+    """Submit a job (a matrix on one or two builds); refused with 422 naming the problem."""
+    try:
+        job_id = services.jobs.submit(body, trigger="api")
+    except JobError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+    with services.store.session() as s:
+        return _public(s.get(Job, job_id))
+
+
+@router.get("/jobs", response_model=list[JobPublic], tags=["jobs"])
+def read_jobs(session: SessionDep,
+              status: Annotated[str | None, Query(max_length=20)] = None,
+              trigger: Annotated[str | None, Query(max_length=20)] = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobPublic]:
+    """Jobs, newest first, filtered by status and trigger."""
+    q = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if status is not None:
+        q = q.where(Job.status == status)
+    if trigger is not None:
+        q = q.where(Job.trigger == trigger)
+    return [_public(j) for j in session.scalars(q)]
+
+
+@router.get("/jobs/{job_id}", response_model=JobDetail, tags=["jobs"])
+def read_job(job_id: JobId, session: SessionDep) -> JobDetail:
+    """A job with the progress of each of its runs (and the comparison of its two builds)."""
+    job = session.get(Job, job_id)
+    if job is None:
+        raise HTTPException(status_code=404, detail=f"no job {job_id}")
+    runs = session.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id)).all()
+    progress: dict[str, int] = {}
+    out = []
+    builds: list[int] = []
+    for r in runs:
+        progress[r.status] = progress.get(r.status, 0) + 1
+        if r.build_id not in builds:
+            builds.append(r.build_id)
+        label = r.build.commit.ref + (f"+{r.build.patch_set}" if r.build.patch_set else "")
+        out.append(RunProgress(id=r.id, config=r.config, fingerprint=r.fingerprint, build=label,
+                               status=r.status, verdict=r.verdict, reason=r.reason,
+                               scenarios={s.scenario: s.verdict for s in r.scenarios}))
+    comparison = None
+    if len(builds) == 2 and job.status == "done":
+        comparison = queries.compare(session, builds[0], builds[1])
+    return JobDetail(**_public(job).model_dump(), spec=job.spec, runs=out, progress=progress,
+                     comparison=comparison)
+
+
+@router.post("/jobs/{job_id}/cancel", tags=["jobs"], dependencies=[Depends(require_write)])
+def cancel_job(job_id: JobId, services: ServicesDep) -> dict[str, str]:
+    """Cancel a job: queued ones never start, running ones stop their engines."""
+    status = services.jobs.cancel(job_id)
+    if status is None:
+        raise HTTPException(status_code=404, detail=f"no job {job_id}")
+    return {"id": job_id, "status": status}
+
+
+@router.get("/commits", tags=["results"])
+def read_commits(session: SessionDep, repository: Annotated[str | None, Query(max_length=255)] = None,
+                 limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+    """Commits, newest first, with the verdict counts of their latest runs."""
+    q = select(Commit).order_by(Commit.committed_at.desc(), Commit.id.desc()).limit(limit)
+    if repository is not None:
+        q = q.where(Commit.repository == repository)
+    out = []
+    for c in session.scalars(q):
+        counts = dict(session.execute(
+            select(Run.verdict, func.count()).join(Build).where(Build.commit_id == c.id)
+            .group_by(Run.verdict)).all())
+        out.append({"ref": c.ref, "repository": c.repository, "sha": c.sha, "version": c.version,
+                    "committed_at": c.committed_at, "branch": c.branch,
+                    "builds": [b.patch_set for b in c.builds],
+                    "verdicts": {str(k): v for k, v in counts.items()}})
+    return out
+
+
+@router.get("/commits/{ref:path}/results", tags=["results"])
+def read_commit_results(ref: Annotated[str, Path(max_length=300)], session: SessionDep,
+                        patch_set: Annotated[str, Query(max_length=500)] = "") -> dict[str, Any]:
+    """A commit's (build's) runs with their verdicts and scenario metrics."""
+    build = queries.find_build(session, ref, patch_set)
+    if build is None:
+        raise HTTPException(status_code=404, detail=f"no build of {ref!r} with patch set "
+                                                    f"{patch_set!r}")
+    runs = session.scalars(select(Run.id).where(Run.build_id == build.id).order_by(Run.id)).all()
+    return {"commit": ref, "patch_set": patch_set,
+            "runs": [queries.run_detail(session, rid) for rid in runs]}
+
+
+@router.get("/runs/{run_id}", tags=["results"])
+def read_run(run_id: RunId, session: SessionDep) -> dict[str, Any]:
+    """One run: arguments asked for and resolved, reference, command, scenarios and metrics."""
+    detail = queries.run_detail(session, run_id)
+    if detail is None:
+        raise HTTPException(status_code=404, detail=f"no run {run_id}")
+    return detail
+
+
+@router.get("/history", tags=["results"])
+def read_history(session: SessionDep,
+                 fingerprint: Annotated[str | None, Query(max_length=64)] = None,
+                 config: Annotated[str | None, Query(max_length=200)] = None,
+                 metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean",
+                 scenario: Annotated[str | None, Query(max_length=40)] = None,
+                 patch_set: Annotated[str | None, Query(max_length=500)] = "",
+                 limit: Annotated[int, Query(ge=1, le=100000)] = 5000) -> list[dict[str, Any]]:
+    """A metric's history for a fingerprint or a config name, oldest commit first."""
+    if fingerprint is None and config is None:
+        raise HTTPException(status_code=422, detail="give a fingerprint or a config")
+    return queries.metric_history(session, metric, fingerprint=fingerprint, config=config,
+                                  scenario=scenario, patch_set=patch_set, limit=limit)
+
+
+@router.get("/compare", tags=["results"])
+def read_compare(session: SessionDep,
+                 baseline: Annotated[str, Query(max_length=300, description="commit ref")],
+                 contender: Annotated[str, Query(max_length=300, description="commit ref")],
+                 baseline_patches: Annotated[str, Query(max_length=500)] = "",
+                 contender_patches: Annotated[str, Query(max_length=500)] = "",
+                 metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean") -> dict[str, Any]:
+    """Baseline vs contender per config and scenario: values, delta, interval of the delta."""
+    sides = {}
+    for name, ref, patches in (("baseline", baseline, baseline_patches),
+                               ("contender", contender, contender_patches)):
+        build = queries.find_build(session, ref, patches)
+        if build is None:
+            raise HTTPException(status_code=404, detail=f"{name}: no build of {ref!r} with "
+                                                        f"patch set {patches!r}")
+        sides[name] = build.id
+    rows = queries.compare(session, sides["baseline"], sides["contender"], metric=metric)
+    return {"baseline": baseline, "contender": contender, "metric": metric, "rows": rows}
+
+
+@router.get("/matrices", tags=["matrices"])
+def read_matrices() -> list[dict[str, Any]]:
+    """The matrices under configs/."""
+    out = []
+    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+        try:
+            m = load_matrix(path)
+        except MatrixError:
+            continue
+        out.append({"name": m.name, "description": m.description, "engine": m.engine,
+                    "models": list(m.models), "configs": len(expand(m))})
+    return out
+
+
+@router.get("/matrices/{name}", tags=["matrices"])
+def read_matrix(name: Annotated[str, Path(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
+                ) -> dict[str, Any]:
+    """A matrix and its configs (names, settings, server arguments, fingerprints)."""
+    path = CONFIGS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise HTTPException(status_code=404, detail=f"no matrix {name}")
+    try:
+        m = load_matrix(path)
+    except MatrixError as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
+    return {"name": m.name, "description": m.description, "engine": m.engine,
+            "scenarios": m.scenarios,
+            "configs": [{"name": c.name, "model": c.model, "fingerprint": c.fingerprint,
+                         "settings": c.settings, "args": c.args, "scenarios": list(c.scenarios)}
+                        for c in expand(m)]}
+
+
+@router.get("/golden", tags=["results"])
+def read_golden(session: SessionDep) -> list[dict[str, Any]]:
+    """The golden run of each fingerprint that has one."""
+    return queries.golden_runs(session)
+
+
+@router.post("/golden", status_code=201, tags=["results"], dependencies=[Depends(require_write)])
+def create_golden(body: GoldenCreate, session: SessionDep) -> dict[str, Any]:
+    """Make a run the golden run of its fingerprint."""
+    try:
+        g = queries.set_golden(session, body.run_id, body.label)
+    except KeyError:
+        raise HTTPException(status_code=404, detail=f"no run {body.run_id}") from None
+    return {"fingerprint": g.fingerprint, "run_id": g.run_id, "label": g.label}

@@ -1,0 +1,1 @@
+"""Where runs execute: local engine slots now; the interface leaves room for a cluster."""

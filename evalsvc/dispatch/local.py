@@ -1,0 +1,49 @@
+"""Runs on this machine: one thread per engine slot."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from evalsvc.dispatch.base import RunTask, execute
+from evalsvc.harness import RunControl
+from evalsvc.types import RunResult
+
+
+class LocalDispatcher:
+    def __init__(self, slots: int = 1) -> None:
+        self.slots = slots
+        self._pool = ThreadPoolExecutor(slots, thread_name_prefix="engine-slot")
+        self._controls: dict[int, tuple[str, RunControl]] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, task: RunTask, on_engine: Callable[[int], None] | None = None) -> Future:
+        control = RunControl(on_engine=(lambda proc: on_engine(proc.proc.pid)) if on_engine else None)
+        with self._lock:
+            self._controls[task.run_id] = (task.job_id, control)
+        return self._pool.submit(self._run, task, control)
+
+    def _run(self, task: RunTask, control: RunControl) -> RunResult:
+        try:
+            if control.cancelled:  # cancelled while it waited for a slot
+                cfg = task.config
+                return RunResult(cfg["name"], cfg["fingerprint"], cfg["model"], cfg["settings"],
+                                 cfg["args"], verdict="cancelled", reason="the job was cancelled")
+            return execute(task, control)
+        finally:
+            with self._lock:
+                self._controls.pop(task.run_id, None)
+
+    def cancel_job(self, job_id: str) -> None:
+        with self._lock:
+            controls = [c for j, c in self._controls.values() if j == job_id]
+        for control in controls:
+            control.cancel()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            controls = [c for _, c in self._controls.values()]
+        for control in controls:
+            control.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,398 @@
+"""Jobs: where the store and the dispatcher meet.
+
+A job is validated and persisted when it is submitted (``JobService.submit``), then executed by
+the job runner thread in order of priority, then age: its builds are made, its configs expanded
+into pending runs, the runs dispatched to the engine slots, and each finished run recorded in a
+transaction of its own. Everything lives in the database, so a restarted service resumes what did
+not finish: runs already recorded are never repeated, and engines left behind by a killed service
+(their process groups are remembered on the run) are stopped first.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy import select
+
+from evalsvc.dispatch.base import RunTask
+from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.embedded.defects import Defect
+from evalsvc.matrix import MatrixError, MatrixFile, WorkloadSpec, expand, load_matrix
+from evalsvc.settings import Settings
+from evalsvc.store.db import Store
+from evalsvc.store.models import Job, Run, utcnow
+from evalsvc.store.record import (
+    BuildRef,
+    ensure_build,
+    ensure_job,
+    plan_run,
+    record_run,
+    write_samples_parquet,
+)
+
+log = logging.getLogger("evalsvc.jobs")
+ACTIVE = ("queued", "running")
+
+
+class JobError(ValueError):
+    """A job that cannot be accepted; the message names the problem. Nothing is stored."""
+
+
+class BuildSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = Field(None, description="sglang==VERSION, git:REPO@COMMIT or path:DIR "
+                                                  "(SGLang engine); none: the engine as installed")
+    patches: list[str] = Field(default_factory=list, description="known fixes (SGLang) or "
+                                                                 "defect:NAME (embedded engine)")
+
+
+class JobCreate(BaseModel):
+    """A job: a matrix (a name under configs/ or inline) on one or two builds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    matrix: str | dict[str, Any] = Field(..., description="matrix name or an inline matrix")
+    engine: Literal["embedded", "sglang"] | None = Field(None, description="default: the matrix's")
+    builds: list[BuildSpec] | None = Field(None, min_length=1, max_length=2,
+                                           description="two builds yield their comparison")
+    model: str | None = Field(None, description="model path replacing the matrix's models")
+    workload: dict[str, Any] | None = Field(None, description="overrides of the matrix workload")
+    reference: dict[str, Any] | None = Field(None, description="reference override")
+    configs: list[str] | None = Field(None, description="only these configs of the matrix")
+    priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")
+
+
+@dataclass
+class Counters:
+    outcomes: dict[str, int] = field(default_factory=dict)
+    run_seconds: list[float] = field(default_factory=list)
+    running_runs: int = 0
+
+
+class JobService:
+    def __init__(self, settings: Settings, store: Store, dispatcher) -> None:
+        self.settings = settings
+        self.store = store
+        self.dispatcher = dispatcher
+        self.counters = Counters()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- submission ------------------------------------------------------------------------
+    def submit(self, body: JobCreate, trigger: str = "api", extra: dict[str, Any] | None = None,
+               trusted: bool = False) -> str:
+        """Validate and queue a job. ``trusted``: from the operator's own configuration (nightly
+        schedules), whose build sources need not be on the allowed list."""
+        spec = {**self.normalize(body, trusted=trusted), **(extra or {})}
+        job_id = f"{trigger}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        with self.store.session() as s:
+            ensure_job(s, job_id, trigger, spec, priority=body.priority, status="queued")
+        log.info("job %s queued (%s, %d build(s))", job_id, spec["matrix_name"],
+                 len(spec["builds"]))
+        self._wake.set()
+        return job_id
+
+    def normalize(self, body: JobCreate, trusted: bool = False) -> dict[str, Any]:
+        """Validate a job against matrices, models, patches and allowed sources; JobError if not."""
+        try:
+            if isinstance(body.matrix, str):
+                matrix = load_matrix(body.matrix)
+            else:
+                matrix = MatrixFile.model_validate(body.matrix)
+        except MatrixError as exc:
+            raise JobError(str(exc)) from None
+        except ValidationError as exc:
+            raise JobError("matrix: " + "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        engine = body.engine or matrix.engine
+        if body.model is not None:
+            for entry in matrix.models.values():
+                entry.path = body.model
+        for key, entry in matrix.models.items():
+            _check_model(engine, key, entry.path)
+        if body.workload:
+            try:
+                matrix.workload = WorkloadSpec(**{**matrix.workload.model_dump(), **body.workload})
+            except ValidationError as exc:
+                raise JobError("workload: " + "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        if body.reference is not None:
+            raise JobError("reference: the service uses SGLang's same-server reference; a "
+                           "reference config is available from the CLI (evalsvc run)")
+        names = {c.name for c in expand(matrix)}
+        unknown = sorted(set(body.configs or []) - names)
+        if unknown:
+            raise JobError(f"configs: {', '.join(unknown)} not in matrix {matrix.name} "
+                           f"(configs: {', '.join(sorted(names))})")
+        builds = body.builds or [BuildSpec()]
+        for i, b in enumerate(builds):
+            self._check_build(engine, i, b, trusted)
+        if engine == "sglang" and not self.settings.engine_python:
+            raise JobError("engine sglang: this service has no SGLang environment "
+                           "(EVALSVC_ENGINE_PYTHON)")
+        return {"matrix_name": matrix.name, "matrix": matrix.model_dump(mode="json"),
+                "engine": engine, "builds": [b.model_dump() for b in builds],
+                "configs": body.configs, "model": body.model}
+
+    def _check_build(self, engine: str, i: int, b: BuildSpec, trusted: bool) -> None:
+        where = f"builds[{i}]"
+        if engine == "embedded":
+            if b.source is not None:
+                raise JobError(f"{where}.source: the embedded engine has no build source")
+            known = {f"defect:{d.value}" for d in Defect}
+            for p in b.patches:
+                if p not in known:
+                    raise JobError(f"{where}.patches: unknown {p!r} for the embedded engine "
+                                   f"(known: {', '.join(sorted(known))})")
+            return
+        from evalsvc.builds.build import BuildError, parse_source
+        from evalsvc.builds.patches import PATCHES
+
+        for p in b.patches:
+            if p not in PATCHES:
+                raise JobError(f"{where}.patches: unknown patch {p!r} "
+                               f"(known: {', '.join(sorted(PATCHES))})")
+        if b.source is None:
+            if b.patches:
+                raise JobError(f"{where}: patches need a source")
+            return
+        try:
+            parse_source(b.source)
+        except BuildError as exc:
+            raise JobError(f"{where}.source: {exc}") from None
+        if not trusted and not any(fnmatch.fnmatchcase(b.source, pat)
+                                   for pat in self.settings.allowed_sources):
+            raise JobError(f"{where}.source: {b.source!r} is not an allowed build source "
+                           f"(EVALSVC_ALLOWED_SOURCES: {', '.join(self.settings.allowed_sources)})")
+
+    # ---- control ---------------------------------------------------------------------------
+    def cancel(self, job_id: str) -> str | None:
+        """Cancel a queued or running job; returns its status, None if there is no such job."""
+        with self.store.session() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                return None
+            if job.status == "queued":
+                job.status, job.finished_at = "cancelled", utcnow()
+                self._count("cancelled")
+                return job.status
+            if job.status != "running":
+                return job.status
+        with self._lock:
+            self._cancelled.add(job_id)
+        self.dispatcher.cancel_job(job_id)
+        return "cancelling"
+
+    def start(self) -> None:
+        self.recover()
+        self._thread = threading.Thread(target=self._loop, name="job-runner", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.dispatcher.shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def recover(self) -> None:
+        """After a restart: stop engines a killed service left, requeue unfinished work."""
+        with self.store.session() as s:
+            for run in s.scalars(select(Run).where(Run.status == "running")):
+                if run.engine_pid:
+                    kill_engine_group(run.engine_pid)
+                run.status, run.engine_pid = "pending", None
+            for job in s.scalars(select(Job).where(Job.status == "running")):
+                job.status = "queued"
+                log.info("job %s resumes after a restart", job.id)
+
+    def queue_length(self) -> int:
+        with self.store.session() as s:
+            return len(s.scalars(select(Job.id).where(Job.status == "queued")).all())
+
+    # ---- the runner ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            job_id = self._next_job()
+            if job_id is None:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            try:
+                status, error = self._execute(job_id)
+            except Exception as exc:
+                log.exception("job %s failed", job_id)
+                status, error = "failed", f"{type(exc).__name__}: {exc}"
+            if self._stop.is_set() and status != "cancelled":
+                return  # shutting down: the job stays running and resumes after a restart
+            with self.store.session() as s:
+                job = s.get(Job, job_id)
+                job.status, job.error, job.finished_at = status, error, utcnow()
+            self._count(status)
+            with self._lock:
+                self._cancelled.discard(job_id)
+            log.info("job %s %s", job_id, status)
+
+    def _next_job(self) -> str | None:
+        with self.store.session() as s:
+            job = s.scalars(select(Job).where(Job.status == "queued")
+                            .order_by(Job.priority.desc(), Job.created_at, Job.id).limit(1)).first()
+            if job is None:
+                return None
+            job.status = "running"
+            job.started_at = job.started_at or utcnow()
+            return job.id
+
+    def _execute(self, job_id: str) -> tuple[str, str | None]:
+        with self.store.session() as s:
+            spec = dict(s.get(Job, job_id).spec)
+        matrix = MatrixFile.model_validate(spec["matrix"])
+        from evalsvc.evaluate import tokenized
+        from evalsvc.workloads import load_prompts, workload_version
+
+        prompts = load_prompts(matrix.workload)
+        version = workload_version(matrix.workload, prompts)
+        base = EngineSpec(kind=spec["engine"], python=self.settings.engine_python
+                          if spec["engine"] == "sglang" else None)
+        by_model = tokenized(matrix, base, prompts)
+        log_dir = self.settings.data_dir / "logs" / job_id
+        tasks: list[tuple[int, RunTask, str]] = []
+        for b in spec["builds"]:
+            engine, ref = self._prepare_build(base, b)
+            configs = expand(matrix, hardware="cpu" if engine.kind == "embedded" else "gpu",
+                             workload_version=version,
+                             sglang_version=engine.version if engine.kind == "sglang" else None)
+            if spec.get("configs"):
+                configs = [c for c in configs if c.name in spec["configs"]]
+            with self.store.session() as s:
+                job = s.get(Job, job_id)
+                build = ensure_build(s, ref)
+                for cfg in configs:
+                    run = plan_run(s, job, build, matrix.name, cfg)
+                    if run.status == "pending":
+                        tasks.append((run.id, RunTask.make(
+                            job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
+                            log_dir / f"build-{build.id}"), cfg.name))
+        futures: list[tuple[int, Future]] = []
+        for run_id, task, _name in tasks:
+            if self._is_cancelled(job_id):
+                break
+            with self.store.session() as s:
+                s.get(Run, run_id).status = "running"
+            futures.append((run_id, self.dispatcher.submit(
+                task, on_engine=lambda pid, rid=run_id: self._engine_up(rid, pid))))
+            self.counters.running_runs += 1
+        for run_id, fut in futures:
+            result = fut.result()
+            self.counters.running_runs -= 1
+            if self._stop.is_set() and result.verdict == "cancelled":
+                with self.store.session() as s:  # shutting down: run again after the restart
+                    s.get(Run, run_id).status = "pending"
+                continue
+            self._record(job_id, run_id, result)
+        if self._is_cancelled(job_id):
+            with self.store.session() as s:
+                for run in s.scalars(select(Run).where(Run.job_id == job_id,
+                                                       Run.status == "pending")):
+                    run.status = "cancelled"
+            return "cancelled", None
+        return "done", None
+
+    def _prepare_build(self, base: EngineSpec, b: dict[str, Any]) -> tuple[EngineSpec, BuildRef]:
+        from evalsvc import __version__
+
+        now = utcnow()
+        if base.kind == "embedded":
+            defects = [p.split(":", 1)[1] for p in b["patches"]]
+            env = {"EVALSVC_ENGINE_DEFECTS": ",".join(defects)} if defects else {}
+            return (EngineSpec(kind="embedded", env=env),
+                    BuildRef("evalsvc/embedded", version=__version__, committed_at=now,
+                             patches=b["patches"]))
+        if b["source"] is None:
+            return (base, BuildRef("sgl-project/sglang", version=installed_version(base.python),
+                                   committed_at=now))
+        from evalsvc.builds.build import make_build
+
+        build = make_build(b["source"], b["patches"], base_python=base.python)
+        m = build.manifest
+        spec = EngineSpec(kind="sglang", python=base.python, env=build.env(),
+                          version=m.get("version"))
+        return spec, BuildRef(
+            m["location"] if m["kind"] != "pypi" else "sgl-project/sglang", sha=m.get("commit"),
+            version=m.get("version") or (None if m.get("commit") else
+                                         "tree-" + m["package_hash"][:12]),
+            committed_at=now, patches=m["patches"],
+            probes={p["fix"]: p["status"] for p in m["probes_after"]}, base_env=m.get("base_env"),
+            manifest=m)
+
+    def _engine_up(self, run_id: int, pid: int) -> None:
+        with self.store.session() as s:
+            s.get(Run, run_id).engine_pid = pid
+
+    def _record(self, job_id: str, run_id: int, result) -> None:
+        path = write_samples_parquet(result, self.settings.results_dir() / job_id
+                                     / f"{run_id}.parquet")
+        with self.store.session() as s:
+            run = s.get(Run, run_id)
+            record_run(s, run.job, run.build, run.matrix, result, path)
+        self.counters.run_seconds.append(result.seconds)
+
+    def _is_cancelled(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._cancelled
+
+    def _count(self, status: str) -> None:
+        self.counters.outcomes[status] = self.counters.outcomes.get(status, 0) + 1
+
+
+def _check_model(engine: str, key: str, path: str) -> None:
+    if engine == "embedded":
+        from evalsvc.engines.embedded.paths import shipped_model_dir
+
+        if shipped_model_dir(path) is None and not (Path(path) / "config.json").is_file():
+            raise JobError(f"models.{key}.path: {path!r} is neither a shipped model nor a model "
+                           "directory")
+    elif path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+        raise JobError(f"models.{key}.path: no such directory {path}")
+
+
+def installed_version(python: str | None) -> str:
+    """The SGLang version installed in an environment (without importing it here)."""
+    import subprocess
+
+    if not python:
+        return "unknown"
+    out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def kill_engine_group(pid: int) -> None:
+    """Stop an engine a killed service left running (only if it still is one of ours)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return
+    if "evalsvc.engines.embedded" not in cmdline and "sglang" not in cmdline:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        time.sleep(1.0)
