@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/evalsvc run smoke --out out/smoke
+	$(BIN)/evalsvc demo
 
 test: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks

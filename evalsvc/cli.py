@@ -22,18 +22,30 @@ def engine(ctx: typer.Context) -> None:
     raise typer.Exit(main(list(ctx.args)))
 
 
-@app.command()
-def demo(
-    model: str = typer.Option(None, "--model-path", help="model directory or shipped name"),
-    flags: str = typer.Option("", help="extra engine flags, space-separated"),
+@app.command("engine-demo")
+def engine_demo(
+    model: Annotated[str | None, typer.Option("--model-path",
+                                              help="model directory or shipped name")] = None,
+    flags: Annotated[str, typer.Option(help="extra engine flags, space-separated")] = "",
 ) -> None:
     """Start the embedded engine, send requests that hit the prefix cache, print what came back."""
-    from evalsvc.demo import run_demo
+    from evalsvc.demo import run_engine_demo
 
     extra = flags.split()
     if model:
         extra = ["--model-path", model, *extra]
-    raise typer.Exit(run_demo(extra))
+    raise typer.Exit(run_engine_demo(extra))
+
+
+@app.command()
+def demo(
+    matrix: Annotated[str, typer.Option(help="the matrix to submit")] = "smoke",
+) -> None:
+    """`make run`: start the service on the embedded defaults, submit the smoke job, wait for it,
+    print its results and where to read them, and stop the service."""
+    from evalsvc.demo import run_service_demo
+
+    raise typer.Exit(run_service_demo(matrix))
 
 
 @app.command()
@@ -80,11 +92,12 @@ def run(
 
     from evalsvc.engines.base import EngineSpec
     from evalsvc.evaluate import dry_run_commands, evaluate, prepare, results_table
+    from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.workloads import WorkloadError
 
     console = Console(width=max(Console().width, 150))
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(logging.WARNING)
     try:
         mat = load_matrix(matrix)
     except MatrixError as exc:
@@ -251,14 +264,13 @@ def serve(
     import uvicorn
 
     from evalsvc.api.app import create_app
+    from evalsvc.logs import setup_logging
     from evalsvc.settings import Settings
 
     settings = Settings()
     host = host or settings.host
     port = port or settings.port
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    setup_logging(logging.INFO)
     log = logging.getLogger("evalsvc.serve")
     if not settings.api_token:
         try:

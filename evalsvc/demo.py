@@ -1,4 +1,5 @@
-"""``make run`` for now: the embedded engine serving requests that really hit its prefix cache."""
+"""What ``make run`` shows: the service evaluating the smoke matrix (``run_service_demo``), and the
+embedded engine serving requests that hit its prefix cache (``run_engine_demo``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def demo_prompts() -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def run_demo(flags: list[str]) -> int:
+def run_engine_demo(flags: list[str]) -> int:
     console = Console()
     prompts = [p["text"] for p in demo_prompts()]
     port = free_port()
@@ -77,3 +78,95 @@ def run_demo(flags: list[str]) -> int:
                       f"{len(a)} positions")
     console.print("engine stopped")
     return 0
+
+
+def run_service_demo(matrix: str) -> int:
+    """Start ``evalsvc serve`` (SQLite in ./data), submit a job for ``matrix``, follow it, print the
+    table and where the results are, stop the service."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from evalsvc.settings import Settings
+
+    console = Console(width=max(Console().width, 150))
+    settings = Settings()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = settings.data_dir / "service.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]Starting the service[/] at {base} (database "
+                  f"{settings.resolved_database_url()}, log {log_path})")
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "evalsvc.cli", "serve", "--port", str(port)],
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "EVALSVC_NIGHTLY": "false"})
+    try:
+        with httpx.Client(base_url=base, timeout=30) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.get("/healthz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    console.print(f"[red]the service did not start[/]; see {log_path}")
+                    return 1
+                time.sleep(0.2)
+            resp = client.post("/api/v1/jobs", json={"matrix": matrix})
+            if resp.status_code != 201:
+                console.print(f"[red]job refused ({resp.status_code}):[/] {resp.text}")
+                return 1
+            job_id = resp.json()["id"]
+            console.print(f"submitted job {job_id}")
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn())
+            with Progress(*columns, console=console) as progress:
+                task = progress.add_task(f"job {job_id}", total=None)
+                while True:
+                    job = client.get(f"/api/v1/jobs/{job_id}").json()
+                    done = sum(v for k, v in job["progress"].items() if k != "pending"
+                               and k != "running")
+                    progress.update(task, total=max(1, len(job["runs"])) if job["runs"] else None,
+                                    completed=done, description=f"job {job_id}: {job['status']}")
+                    if job["status"] in ("done", "failed", "cancelled"):
+                        break
+                    time.sleep(1)
+            table = Table(title=f"{matrix}: job {job_id} {job['status']}")
+            for col in ("config", "scenario", "KL k3 mean [95% CI]", "hit cov.", "accept len",
+                        "verdict"):
+                table.add_column(col, no_wrap=True)
+            for run in job["runs"]:
+                detail = client.get(f"/api/v1/runs/{run['id']}").json()
+                for scen in detail["scenarios"]:
+                    m = scen["metrics"]
+                    kl = m.get("kl_k3_mean") or {}
+                    kl_text = (f"{kl['value']:.2e} [{kl['ci_low']:.1e}, {kl['ci_high']:.1e}]"
+                               if kl.get("ci_low") is not None else "")
+                    cov = (m.get("hit_coverage") or {}).get("value")
+                    acc = (m.get("accept_length") or {}).get("value")
+                    table.add_row(run["config"], scen["scenario"], kl_text,
+                                  "" if cov is None else f"{cov:.2f}",
+                                  "" if acc is None else f"{acc:.2f}", scen["verdict"])
+            console.print(table)
+            console.print(
+                f"Where to read the results:\n"
+                f"  database     {settings.resolved_database_url()}\n"
+                f"  samples      {settings.results_dir() / job_id}/*.parquet\n"
+                f"  engine logs  {settings.data_dir / 'logs' / job_id}\n"
+                f"  export       .venv/bin/evalsvc export out/{job_id}.csv --job {job_id}\n"
+                f"  browse       .venv/bin/evalsvc serve, then http://127.0.0.1:8000/docs and "
+                f"/api/v1/jobs/{job_id}")
+            return 0 if job["status"] == "done" else 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

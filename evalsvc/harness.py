@@ -79,9 +79,8 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
     proc: EngineProcess | None = None
     client: EngineClient | None = None
     try:
-        proc = start_engine(config, spec, log_path)
-        if control is not None:
-            control.engine_started(proc)
+        proc = start_engine(config, spec, log_path,
+                            on_spawn=control.engine_started if control is not None else None)
         result.command = proc.argv
         result.startup_seconds = proc.startup_seconds
         draft = config.args.get("speculative_num_draft_tokens")
@@ -146,14 +145,14 @@ def exited(proc: EngineProcess, wait: float = 0.5) -> bool:
     return not proc.alive()
 
 
-def start_engine(config: Config, spec: EngineSpec, log_path: Path | None,
-                 attempts: int = 2) -> EngineProcess:
+def start_engine(config: Config, spec: EngineSpec, log_path: Path | None, attempts: int = 2,
+                 on_spawn=None) -> EngineProcess:
     """Launch on a free port; another port if the one picked was taken meanwhile."""
     for attempt in range(attempts):
         port = free_port()
         log.info("run %s: starting engine on port %d", config.name, port)
         try:
-            return launch(spec, config.args, port, log_path)
+            return launch(spec, config.args, port, log_path, on_spawn=on_spawn)
         except PortInUseError as exc:
             if attempt == attempts - 1:
                 raise

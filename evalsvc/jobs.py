@@ -17,17 +17,18 @@ import signal
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.defects import Defect
+from evalsvc.logs import log_context
 from evalsvc.matrix import MatrixError, MatrixFile, WorkloadSpec, expand, load_matrix
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
@@ -78,7 +79,6 @@ class JobCreate(BaseModel):
 class Counters:
     outcomes: dict[str, int] = field(default_factory=dict)
     run_seconds: list[float] = field(default_factory=list)
-    running_runs: int = 0
 
 
 class JobService:
@@ -131,6 +131,14 @@ class JobService:
             except ValidationError as exc:
                 raise JobError("workload: " + "; ".join(
                     f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        from evalsvc.workloads import WorkloadError, check_dataset
+
+        # a client names builtin or hub datasets; local files only through the matrices in configs/
+        from_client = not isinstance(body.matrix, str) or "dataset" in (body.workload or {})
+        try:
+            check_dataset(matrix.workload, allow_local=trusted or not from_client)
+        except WorkloadError as exc:
+            raise JobError(str(exc)) from None
         if body.reference is not None:
             raise JobError("reference: the service uses SGLang's same-server reference; a "
                            "reference config is available from the CLI (evalsvc run)")
@@ -223,7 +231,11 @@ class JobService:
 
     def queue_length(self) -> int:
         with self.store.session() as s:
-            return len(s.scalars(select(Job.id).where(Job.status == "queued")).all())
+            return s.scalar(select(func.count()).select_from(Job).where(Job.status == "queued"))
+
+    def running_runs(self) -> int:
+        with self.store.session() as s:
+            return s.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
 
     # ---- the runner ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -233,17 +245,18 @@ class JobService:
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
-            try:
-                status, error = self._execute(job_id)
-            except Exception as exc:
-                log.exception("job %s failed", job_id)
-                status, error = "failed", f"{type(exc).__name__}: {exc}"
+            with log_context(job=job_id):
+                try:
+                    status, error = self._execute(job_id)
+                except Exception as exc:
+                    log.exception("job %s failed", job_id)
+                    status, error = "failed", f"{type(exc).__name__}: {exc}"
             if self._stop.is_set() and status != "cancelled":
                 return  # shutting down: the job stays running and resumes after a restart
+            self._count(status)  # before the row: whoever sees the job finished sees it counted
             with self.store.session() as s:
                 job = s.get(Job, job_id)
                 job.status, job.error, job.finished_at = status, error, utcnow()
-            self._count(status)
             with self._lock:
                 self._cancelled.discard(job_id)
             log.info("job %s %s", job_id, status)
@@ -292,19 +305,21 @@ class JobService:
         for run_id, task, _name in tasks:
             if self._is_cancelled(job_id):
                 break
-            with self.store.session() as s:
-                s.get(Run, run_id).status = "running"
             futures.append((run_id, self.dispatcher.submit(
-                task, on_engine=lambda pid, rid=run_id: self._engine_up(rid, pid))))
-            self.counters.running_runs += 1
+                task, on_start=lambda rid=run_id: self._run_started(rid),
+                on_engine=lambda pid, rid=run_id: self._engine_up(rid, pid))))
         for run_id, fut in futures:
-            result = fut.result()
-            self.counters.running_runs -= 1
+            try:
+                result = fut.result()
+            except CancelledError:  # never started: the service is shutting down
+                continue
             if self._stop.is_set() and result.verdict == "cancelled":
                 with self.store.session() as s:  # shutting down: run again after the restart
                     s.get(Run, run_id).status = "pending"
                 continue
             self._record(job_id, run_id, result)
+        if self._stop.is_set() and not self._is_cancelled(job_id):
+            return "interrupted", None  # left running: it resumes after the restart
         if self._is_cancelled(job_id):
             with self.store.session() as s:
                 for run in s.scalars(select(Run).where(Run.job_id == job_id,
@@ -340,6 +355,10 @@ class JobService:
             probes={p["fix"]: p["status"] for p in m["probes_after"]}, base_env=m.get("base_env"),
             manifest=m)
 
+    def _run_started(self, run_id: int) -> None:
+        with self.store.session() as s:
+            s.get(Run, run_id).status = "running"
+
     def _engine_up(self, run_id: int, pid: int) -> None:
         with self.store.session() as s:
             s.get(Run, run_id).engine_pid = pid
@@ -347,10 +366,10 @@ class JobService:
     def _record(self, job_id: str, run_id: int, result) -> None:
         path = write_samples_parquet(result, self.settings.results_dir() / job_id
                                      / f"{run_id}.parquet")
+        self.counters.run_seconds.append(result.seconds)
         with self.store.session() as s:
             run = s.get(Run, run_id)
             record_run(s, run.job, run.build, run.matrix, result, path)
-        self.counters.run_seconds.append(result.seconds)
 
     def _is_cancelled(self, job_id: str) -> bool:
         with self._lock:

@@ -67,11 +67,12 @@ class WorkloadSpec(Strict):
     dataset: str = "builtin:demo"  # builtin:NAME, a local .jsonl/.json/.parquet, or a hub dataset
     split: str = "train"
     text_field: str = "text"
-    num_prompts: int = 8
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    seed: int = 0
-    prefix_tokens: int = 0  # shared system prefix for branching (0: derived from the prompts)
+    num_prompts: int = Field(8, ge=1, le=100_000)
+    max_new_tokens: int = Field(32, ge=1, le=65_536)
+    temperature: float = Field(1.0, ge=0.0)
+    seed: int = Field(0, ge=0)
+    # shared system prefix for branching (0: derived from the prompts)
+    prefix_tokens: int = Field(0, ge=0)
 
 
 class Thresholds(Strict):

@@ -47,6 +47,24 @@ def _sharegpt_file() -> Path:
         return Path(path)
 
 
+def is_local(dataset: str) -> bool:
+    return Path(dataset).suffix in (".jsonl", ".json", ".parquet", ".csv")
+
+
+def check_dataset(spec: WorkloadSpec, allow_local: bool = True) -> None:
+    """What can be checked of a workload's dataset without loading it (WorkloadError if not):
+    a builtin exists, a local file exists (and is allowed)."""
+    source = spec.dataset
+    if source.startswith("builtin:"):
+        builtin_path(source.split(":", 1)[1])
+    elif is_local(source):
+        if not allow_local:
+            raise WorkloadError(f"workload.dataset: {source!r}: a local file is not accepted here "
+                                "(builtin:NAME or a hub dataset)")
+        if not Path(source).is_file():
+            raise WorkloadError(f"workload.dataset: no such file {source}")
+
+
 def load_prompts(spec: WorkloadSpec) -> list[Prompt]:
     """The first ``num_prompts`` prompts after a seeded shuffle, as (id, text)."""
     import datasets
@@ -59,7 +77,7 @@ def load_prompts(spec: WorkloadSpec) -> list[Prompt]:
         if source == "builtin:sharegpt":
             return _sharegpt_prompts(path, spec)
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
-    elif Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv"):
+    elif is_local(source):
         if not Path(source).is_file():
             raise WorkloadError(f"workload.dataset: no such file {source}")
         fmt = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +30,10 @@ from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.evaluate import evaluate, prepare
 from evalsvc.harness import RunResult, run_config
 from evalsvc.matrix import Config, MatrixError, MatrixFile, expand, load_matrix
+from tests.processes import assert_gone, marked_processes, wait_no_processes
 
 DATA = Path(__file__).parent / "data"
 FAKE_PYTHON = DATA / "fake-python"
-ENGINE_PATTERNS = ("evalsvc.engines.embedded", "fake_sglang.py")
 TOKEN_VAR = "EVALSVC_TEST_HARNESS_ERRORS"  # marks the processes this module starts
 MISSING_MODEL = "/nonexistent/model"
 
@@ -59,45 +58,11 @@ PROMPTS = [(f"p{i}", [(i * 37 + j) % 500 + 1 for j in range(100)]) for i in rang
 # ---- helpers -----------------------------------------------------------------------------------
 
 def engine_processes(token: str) -> list[str]:
-    """Engine processes (embedded or fake) carrying this module's marker in their environment."""
-    found = []
-    for pattern in ENGINE_PATTERNS:
-        res = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False)
-        for pid in res.stdout.split():
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:  # gone meanwhile, or another user's
-                continue
-            if f"{TOKEN_VAR}={token}".encode() in environ:
-                found.append(f"{pid}: {cmdline.decode(errors='replace').strip()}")
-    return found
+    return marked_processes(TOKEN_VAR, token)
 
 
 def wait_no_engines(token: str, timeout: float = 5.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while (left := engine_processes(token)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
-
-def _exists(pid: int, group: bool = False) -> bool:
-    try:
-        (os.killpg if group else os.kill)(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def assert_gone(pids: list[int], timeout: float = 5.0) -> None:
-    """Every pid has exited and no process group led by one of them remains. The harness reaps its
-    own child; a straggler it SIGKILLed may take a moment to be reaped by init."""
-    assert pids
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if _exists(p) or _exists(p, group=True)]) and (
-            time.monotonic() < deadline):
-        time.sleep(0.05)
-    assert not left, f"still running: {left}"
+    return wait_no_processes(TOKEN_VAR, token, timeout)
 
 
 def write_matrix(path: Path, data: dict | str) -> Path:

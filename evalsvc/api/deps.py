@@ -70,7 +70,7 @@ class _Collector:
         yield GaugeMetricFamily("evalsvc_queue_length", "Jobs waiting to run.",
                                 value=jobs.queue_length())
         yield GaugeMetricFamily("evalsvc_running_runs", "Runs executing now.",
-                                value=c.running_runs)
+                                value=jobs.running_runs())
         outcomes = CounterMetricFamily("evalsvc_job_outcomes", "Finished jobs by status.",
                                        labels=["status"])
         for status, n in sorted(c.outcomes.items()):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from evalsvc.engines.base import EngineSpec
 from evalsvc.harness import RunControl, run_config
+from evalsvc.logs import log_context
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.types import RunResult
 
@@ -44,15 +45,18 @@ def execute(task: RunTask, control: RunControl | None = None) -> RunResult:
     cfg["scenarios"] = tuple(cfg["scenarios"])
     config = Config(**cfg)
     spec = EngineSpec(**task.engine)
-    return run_config(config, matrix, spec, [(p, list(ids)) for p, ids in task.prompts],
-                      log_dir=Path(task.log_dir), control=control)
+    with log_context(job=task.job_id, run=task.run_id):
+        return run_config(config, matrix, spec, [(p, list(ids)) for p, ids in task.prompts],
+                          log_dir=Path(task.log_dir), control=control)
 
 
 class Dispatcher(Protocol):
     slots: int
 
-    def submit(self, task: RunTask, on_engine: Callable[[int], None] | None = None) -> Future:
-        """Start a run; the future yields its RunResult. ``on_engine(pid)`` when its engine is up."""
+    def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
+               on_engine: Callable[[int], None] | None = None) -> Future:
+        """Queue a run; the future yields its RunResult. ``on_start()`` when a slot starts it,
+        ``on_engine(pid)`` when its engine process is up."""
 
     def cancel_job(self, job_id: str) -> None:
         """Stop every run of a job: engines stopped, no further scenario."""

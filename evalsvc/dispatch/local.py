@@ -18,18 +18,22 @@ class LocalDispatcher:
         self._controls: dict[int, tuple[str, RunControl]] = {}
         self._lock = threading.Lock()
 
-    def submit(self, task: RunTask, on_engine: Callable[[int], None] | None = None) -> Future:
+    def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
+               on_engine: Callable[[int], None] | None = None) -> Future:
         control = RunControl(on_engine=(lambda proc: on_engine(proc.proc.pid)) if on_engine else None)
         with self._lock:
             self._controls[task.run_id] = (task.job_id, control)
-        return self._pool.submit(self._run, task, control)
+        return self._pool.submit(self._run, task, control, on_start)
 
-    def _run(self, task: RunTask, control: RunControl) -> RunResult:
+    def _run(self, task: RunTask, control: RunControl,
+             on_start: Callable[[], None] | None) -> RunResult:
         try:
             if control.cancelled:  # cancelled while it waited for a slot
                 cfg = task.config
                 return RunResult(cfg["name"], cfg["fingerprint"], cfg["model"], cfg["settings"],
                                  cfg["args"], verdict="cancelled", reason="the job was cancelled")
+            if on_start is not None:
+                on_start()
             return execute(task, control)
         finally:
             with self._lock:

@@ -7,6 +7,7 @@ starts them. ``EngineSpec`` says which engine (and for SGLang, which python and 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,8 +36,18 @@ def engine_command(spec: EngineSpec, args: dict[str, Any], port: int) -> list[st
                                    *build_flags(rest)], python=python)
 
 
-def launch(spec: EngineSpec, args: dict[str, Any], port: int, log_path: Path | None) -> EngineProcess:
-    """Start a server and wait until it is healthy (raises EngineStartError with the log tail)."""
+def launch(spec: EngineSpec, args: dict[str, Any], port: int, log_path: Path | None,
+           on_spawn: Callable[[EngineProcess], None] | None = None) -> EngineProcess:
+    """Start a server and wait until it is healthy (raises EngineStartError with the log tail).
+    ``on_spawn(proc)`` as soon as the process exists, before it is ready."""
     proc = EngineProcess(engine_command(spec, args, port), port, env=spec.env, log_path=log_path,
                          startup_timeout=spec.startup_timeout, host=spec.host)
-    return proc.__enter__()
+    proc.start()
+    try:
+        if on_spawn is not None:
+            on_spawn(proc)
+        proc.wait_ready()
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

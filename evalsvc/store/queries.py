@@ -151,9 +151,8 @@ def run_detail(session: Session, run_id: int) -> dict[str, Any] | None:
         return None
     metrics: dict[str, dict[str, Any]] = {}
     for m in run.metrics:
-        metrics.setdefault(m.scenario, {})[m.name] = (
-            {"value": m.value, "ci_low": m.ci_low, "ci_high": m.ci_high, "count": m.count}
-            if m.ci_low is not None else m.value)
+        metrics.setdefault(m.scenario, {})[m.name] = {
+            "value": m.value, "ci_low": m.ci_low, "ci_high": m.ci_high, "count": m.count}
     return {"id": run.id, "job_id": run.job_id, "config": run.config, "matrix": run.matrix,
             "model": run.model, "fingerprint": run.fingerprint, "settings": run.settings,
             "requested_args": run.requested_args, "resolved_args": run.resolved_args,
@@ -192,3 +191,148 @@ def golden_runs(session: Session) -> list[dict[str, Any]]:
 def scenario_verdicts(session: Session, run_id: int) -> dict[str, str]:
     return {s.scenario: s.verdict for s in session.scalars(
         select(ScenarioRow).where(ScenarioRow.run_id == run_id))}
+
+
+# ---- the dashboard's reads ---------------------------------------------------------------------
+
+def metric_trends(session: Session, metrics: list[str], *, matrix: str | None = None,
+                  model: str | None = None, scenario: str | None = None, branch: str | None = None,
+                  commits: int = 100) -> list[dict[str, Any]]:
+    """Values of ``metrics`` for every run (any patch set) on the newest ``commits`` commits (of
+    ``branch``), each with its scenario verdict, oldest commit first."""
+    window = select(Commit.id).order_by(Commit.committed_at.desc(), Commit.id.desc()).limit(commits)
+    if branch is not None:
+        window = window.where(Commit.branch == branch)
+    q = (select(Commit.ref, Commit.committed_at, Build.patch_set, Run.id, Run.fingerprint,
+                Run.config, Run.matrix, Run.model, Metric.scenario, Metric.name, Metric.value,
+                ScenarioRow.verdict)
+         .join(Build, Build.commit_id == Commit.id)
+         .join(Run, Run.build_id == Build.id)
+         .join(Metric, Metric.run_id == Run.id)
+         .outerjoin(ScenarioRow, (ScenarioRow.run_id == Run.id)
+                    & (ScenarioRow.scenario == Metric.scenario))
+         .where(Commit.id.in_(window.scalar_subquery()), Metric.name.in_(metrics)))
+    if matrix is not None:
+        q = q.where(Run.matrix == matrix)
+    if model is not None:
+        q = q.where(Run.model == model)
+    if scenario is not None:
+        q = q.where(Metric.scenario == scenario)
+    q = q.order_by(Commit.committed_at, Commit.id, Run.id)
+    keys = ("commit", "committed_at", "patch_set", "run_id", "fingerprint", "config", "matrix",
+            "model", "scenario", "metric", "value", "verdict")
+    return [dict(zip(keys, row, strict=True)) for row in session.execute(q)]
+
+
+def run_models(session: Session, run_ids: list[int]) -> dict[int, str]:
+    """The model of each run, by run id."""
+    if not run_ids:
+        return {}
+    return dict(session.execute(select(Run.id, Run.model).where(Run.id.in_(run_ids))).all())
+
+
+def filter_choices(session: Session) -> dict[str, list[str]]:
+    """The matrices, models and branches the store has results for, sorted."""
+    def distinct(column) -> list[str]:
+        return sorted(v for v in session.scalars(select(column).distinct()) if v is not None)
+
+    return {"matrices": distinct(Run.matrix), "models": distinct(Run.model),
+            "branches": distinct(Commit.branch)}
+
+
+def job_summaries(session: Session, *, status: str | None = None,
+                  limit: int = 100) -> list[dict[str, Any]]:
+    """Jobs, newest first, with their runs counted by status and by verdict."""
+    q = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if status is not None:
+        q = q.where(Job.status == status)
+    jobs = session.scalars(q).all()
+    progress: dict[str, dict[str, int]] = {j.id: {} for j in jobs}
+    verdicts: dict[str, dict[str, int]] = {j.id: {} for j in jobs}
+    if jobs:
+        for job_id, run_status, verdict, n in session.execute(
+                select(Run.job_id, Run.status, Run.verdict, func.count())
+                .where(Run.job_id.in_(list(progress)))
+                .group_by(Run.job_id, Run.status, Run.verdict)):
+            progress[job_id][run_status] = progress[job_id].get(run_status, 0) + n
+            if verdict is not None:
+                verdicts[job_id][verdict] = verdicts[job_id].get(verdict, 0) + n
+    return [{"id": j.id, "trigger": j.trigger, "status": j.status, "priority": j.priority,
+             "matrix": j.spec.get("matrix_name") or j.spec.get("matrix"),
+             "created_at": j.created_at, "started_at": j.started_at,
+             "finished_at": j.finished_at, "error": j.error, "progress": progress[j.id],
+             "verdicts": verdicts[j.id]} for j in jobs]
+
+
+def job_builds(session: Session, job_id: str) -> list[dict[str, Any]]:
+    """The engine builds a job's runs used, in the order of their first run: commit, patch set,
+    probe answers, base environment and manifest."""
+    first_run = (select(Run.build_id, func.min(Run.id).label("first")).where(Run.job_id == job_id)
+                 .group_by(Run.build_id).subquery())
+    builds = session.execute(select(Build, Commit).join(Commit, Build.commit_id == Commit.id)
+                             .join(first_run, first_run.c.build_id == Build.id)
+                             .order_by(first_run.c.first)).all()
+    return [{"id": b.id, "commit": c.ref, "repository": c.repository, "sha": c.sha,
+             "version": c.version, "branch": c.branch, "committed_at": c.committed_at,
+             "patch_set": b.patch_set, "probes": b.probes, "base_env": b.base_env,
+             "manifest": b.manifest} for b, c in builds]
+
+
+def job_runs(session: Session, job_id: str) -> list[dict[str, Any]]:
+    """``run_detail`` of each of a job's runs, in run order."""
+    # loaded with everything run_detail reads in four queries; run_detail then finds them in the
+    # session instead of querying run by run (``runs`` keeps them there)
+    runs = session.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id)
+                           .options(selectinload(Run.scenarios), selectinload(Run.metrics),
+                                    selectinload(Run.build).selectinload(Build.commit))).all()
+    return [run_detail(session, r.id) for r in runs]
+
+
+def run_samples(session: Session, run_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """Per run, its samples' statistics, by scenario and sample id."""
+    out: dict[int, list[dict[str, Any]]] = {rid: [] for rid in run_ids}
+    if not run_ids:
+        return out
+    rows = session.execute(select(Sample.run_id, Sample.scenario, Sample.sample_id, Sample.prompt_id,
+                                  Sample.hit, Sample.cached_tokens, Sample.kl_k3_mean,
+                                  Sample.first_divergence)
+                           .where(Sample.run_id.in_(run_ids))
+                           .order_by(Sample.run_id, Sample.scenario, Sample.id))
+    for r in rows:
+        out[r.run_id].append({"scenario": r.scenario, "sample_id": r.sample_id,
+                              "prompt_id": r.prompt_id, "hit": r.hit,
+                              "cached_tokens": r.cached_tokens, "kl_k3_mean": r.kl_k3_mean,
+                              "first_divergence": r.first_divergence})
+    return out
+
+
+def commit_summaries(session: Session, *, branch: str | None = None, limit: int = 100,
+                     offset: int = 0) -> list[dict[str, Any]]:
+    """Commits, newest first, each with its builds (patch sets) and their runs' verdict counts."""
+    q = (select(Commit).order_by(Commit.committed_at.desc(), Commit.id.desc())
+         .limit(limit).offset(offset))
+    if branch is not None:
+        q = q.where(Commit.branch == branch)
+    commits = session.scalars(q).all()
+    builds: dict[int, dict[str, dict[str, int]]] = {c.id: {} for c in commits}
+    if commits:
+        for commit_id, patch_set, verdict, run_status, n in session.execute(
+                select(Build.commit_id, Build.patch_set, Run.verdict, Run.status, func.count())
+                .join(Run, Run.build_id == Build.id)
+                .where(Build.commit_id.in_(list(builds)))
+                .group_by(Build.commit_id, Build.patch_set, Run.verdict, Run.status)):
+            counts = builds[commit_id].setdefault(patch_set, {})
+            key = verdict or run_status  # a run without a verdict yet counts by its status
+            counts[key] = counts.get(key, 0) + n
+    return [{"ref": c.ref, "repository": c.repository, "sha": c.sha, "version": c.version,
+             "branch": c.branch, "committed_at": c.committed_at,
+             "builds": dict(sorted(builds[c.id].items()))} for c in commits]
+
+
+def scenario_verdicts_of(session: Session, run_ids: list[int]) -> dict[tuple[int, str], str]:
+    """Scenario verdicts of many runs, by (run id, scenario)."""
+    if not run_ids:
+        return {}
+    return {(r, s): v for r, s, v in session.execute(
+        select(ScenarioRow.run_id, ScenarioRow.scenario, ScenarioRow.verdict)
+        .where(ScenarioRow.run_id.in_(run_ids)))}

@@ -9,6 +9,7 @@ Started by ``tests/data/fake-python`` as ``fake_sglang.py --model-path M --host 
 * ``die_mid``: serves, starts a child process (left in its process group), and exits at the first
   ``/generate`` without answering.
 * ``nan``: NaN output logprobs. ``malformed``: ``output_token_logprobs`` is not a list.
+* ``slow_start``: takes ``FAKE_SGLANG_START_SECONDS`` (default 10) to start, then serves as ``ok``.
 
 ``FAKE_SGLANG_WHEN=field=value`` limits the mode to servers started with that flag value (the others
 run ``ok``); ``FAKE_SGLANG_PIDFILE`` collects the pids of the server and its child.
@@ -24,7 +25,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-MODES = ("ok", "die_at_start", "die_mid", "nan", "malformed")
+MODES = ("ok", "die_at_start", "die_mid", "nan", "malformed", "slow_start")
 
 
 def parse_flags(argv: list[str]) -> dict:
@@ -152,6 +153,8 @@ def main(argv: list[str]) -> None:
         print("fake sglang: RuntimeError: the model could not be loaded (die_at_start)",
               file=sys.stderr, flush=True)
         sys.exit(1)
+    if mode == "slow_start":
+        time.sleep(float(os.environ.get("FAKE_SGLANG_START_SECONDS", "10")))
     if mode == "die_mid":
         pids.append(subprocess.Popen([sys.executable, __file__, "--child"]).pid)
     if os.environ.get("FAKE_SGLANG_PIDFILE"):

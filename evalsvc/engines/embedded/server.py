@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -32,6 +33,14 @@ FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When t
 FLUSH_FAILED = "Flush cache failed.\n"
 HEALTH_TIMEOUT_S = 20.0
 
+
+
+def engine_threads() -> int:
+    """Torch threads of the engine: ``EVALSVC_ENGINE_THREADS``, default 1."""
+    value = os.environ.get("EVALSVC_ENGINE_THREADS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"EVALSVC_ENGINE_THREADS={value!r}: give a positive integer")
+    return int(value)
 
 class SamplingParamsIn(BaseModel):
     """SGLang's sampling parameters; unknown keys are refused by name."""
@@ -307,7 +316,10 @@ class Engine:
             from .model import load_model
             from .tokenizer import TextTokenizer
 
-            torch.set_num_threads(max(1, torch.get_num_threads()))
+            # one thread by default: the model is small and the engine overhead-bound, and with
+            # several engines (or the harness) on the same cores, OpenMP's spinning threads are
+            # an order of magnitude slower than one
+            torch.set_num_threads(engine_threads())
             model = load_model(self.args.model_path)
             tokenizer = TextTokenizer(self.args.model_path)
             self.scheduler = Scheduler(self.args, model, tokenizer)
