@@ -270,8 +270,6 @@ def serve(
     settings = Settings()
     host = host or settings.host
     port = port or settings.port
-    setup_logging(logging.INFO)
-    log = logging.getLogger("evalsvc.serve")
     if not settings.api_token:
         try:
             loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -281,6 +279,9 @@ def serve(
             typer.echo(f"error: --host {host}: without EVALSVC_API_TOKEN the service binds to "
                        "loopback only (set a token to serve other hosts)", err=True)
             raise typer.Exit(2)
+    setup_logging(logging.INFO)
+    log = logging.getLogger("evalsvc.serve")
+    if not settings.api_token:
         log.warning("no EVALSVC_API_TOKEN: mutating endpoints are open, so the service binds to "
                     "%s (loopback) only", host)
     log.info("database %s; docs at http://%s:%d/docs", settings.resolved_database_url(), host,

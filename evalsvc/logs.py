@@ -7,6 +7,7 @@ line logged through ``setup_logging``'s handler carries ``[job=... run=...]``.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,9 +38,24 @@ def log_context(job: str | None = None, run: object | None = None) -> Iterator[N
             var.reset(token)
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged (test runners swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Root logging to stderr in FORMAT; quiet HTTP client lines."""
-    handler = logging.StreamHandler()
+    handler = _Stderr()
     handler.addFilter(ContextFilter())
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
