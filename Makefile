@@ -3,6 +3,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist processes (the slow tests are engine-bound: one core each)
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint setup clean
 
@@ -21,7 +23,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks
