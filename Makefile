@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pytest-xdist processes (the slow tests are engine-bound: one core each)
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint setup clean
+.PHONY: run test lint setup clean chromium
 
 setup: $(STAMP)
 
@@ -21,9 +21,17 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/evalsvc demo
 
-test: $(STAMP)
+# the dashboard's browser tests drive Debian's chromium (never `playwright install`)
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; } \
+	  || { echo "error: the dashboard's browser tests need Debian's chromium and apt-get could" \
+	            "not install it: run 'apt-get install -y chromium' as root" >&2; exit 1; }
+
+# --dist loadgroup: the tests of one xdist_group (the dashboard's browser tests share a job) stay
+# on one worker
+test: $(STAMP) chromium
 	$(BIN)/ruff check evalsvc tests training benchmarks
-	$(BIN)/pytest -n $(TEST_WORKERS) --durations=25
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks

@@ -24,7 +24,7 @@ from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseErr
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
-from evalsvc.types import RunResult, ScenarioResult
+from evalsvc.types import RunResult, ScenarioResult, TopLogprobs
 
 log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
@@ -117,8 +117,9 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
             result.verdict, result.reason = "cancelled", "the job was cancelled"
             return result
         result.verdict = worst([s.verdict for s in result.scenarios])
-        if result.verdict == "error":
-            result.reason = next(s.reason for s in result.scenarios if s.verdict == "error")
+        if result.verdict != "pass":  # the first scenario that decided it, named
+            s = next(s for s in result.scenarios if s.verdict == result.verdict)
+            result.reason = f"{s.scenario}: {s.reason}"
     except EngineStartError as exc:
         if control is not None and control.cancelled:
             result.verdict, result.reason = "cancelled", "the job was cancelled"
@@ -261,4 +262,15 @@ def sample_row(s: Sample, kl: dict[str, np.ndarray]) -> dict[str, Any]:
         "reference_logprobs": [float(x) for x in ref],
         "accept_length": (s.completion.spec.completion_tokens / s.completion.spec.verify_ct
                           if s.completion.spec else None),
+        # both sides' top-k candidates per generated token, for the drill-down
+        **_top_columns("decode", s.completion.top), **_top_columns("reference", s.reference_top),
     }
+
+
+def _top_columns(side: str, top: TopLogprobs | None) -> dict[str, Any]:
+    if top is None:
+        return {f"{side}_top_ids": None, f"{side}_top_logprobs": None}
+    positions = [pos or [] for pos in top.positions]
+    return {f"{side}_top_ids": [[int(t) for t, _ in pos] for pos in positions],
+            f"{side}_top_logprobs": [[None if lp is None else float(lp) for _, lp in pos]
+                                     for pos in positions]}

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from evalsvc import __version__
 from evalsvc.api import routes
 from evalsvc.api.deps import Services
+from evalsvc.dashboard import mount_dashboard
 from evalsvc.settings import Settings
 
 log = logging.getLogger("evalsvc.api")
@@ -34,6 +35,7 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
                               "serving paths: jobs, results, history and comparisons.")
     app.state.settings = settings
     app.include_router(routes.router, prefix="/api/v1")
+    mount_dashboard(app)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

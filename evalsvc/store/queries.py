@@ -195,33 +195,49 @@ def scenario_verdicts(session: Session, run_id: int) -> dict[str, str]:
 
 # ---- the dashboard's reads ---------------------------------------------------------------------
 
-def metric_trends(session: Session, metrics: list[str], *, matrix: str | None = None,
-                  model: str | None = None, scenario: str | None = None, branch: str | None = None,
-                  commits: int = 100) -> list[dict[str, Any]]:
-    """Values of ``metrics`` for every run (any patch set) on the newest ``commits`` commits (of
-    ``branch``), each with its scenario verdict, oldest commit first."""
-    window = select(Commit.id).order_by(Commit.committed_at.desc(), Commit.id.desc()).limit(commits)
+def trend_window(session: Session, *, branch: str | None = None,
+                 commits: int = 100) -> dict[str, list[dict[str, Any]]]:
+    """The newest ``commits`` commits (of ``branch``), oldest first, and the runs of all their
+    builds, in run order."""
+    window = (select(Commit.id, Commit.ref, Commit.committed_at)
+              .order_by(Commit.committed_at.desc(), Commit.id.desc()).limit(commits))
     if branch is not None:
         window = window.where(Commit.branch == branch)
-    q = (select(Commit.ref, Commit.committed_at, Build.patch_set, Run.id, Run.fingerprint,
-                Run.config, Run.matrix, Run.model, Metric.scenario, Metric.name, Metric.value,
-                ScenarioRow.verdict)
-         .join(Build, Build.commit_id == Commit.id)
-         .join(Run, Run.build_id == Build.id)
-         .join(Metric, Metric.run_id == Run.id)
-         .outerjoin(ScenarioRow, (ScenarioRow.run_id == Run.id)
-                    & (ScenarioRow.scenario == Metric.scenario))
-         .where(Commit.id.in_(window.scalar_subquery()), Metric.name.in_(metrics)))
+    found = [{"id": i, "ref": ref, "committed_at": at}
+             for i, ref, at in session.execute(window).all()[::-1]]
+    runs = session.execute(select(Run.id, Build.commit_id, Build.patch_set, Run.fingerprint,
+                                  Run.config, Run.matrix, Run.model)
+                           .join(Build, Run.build_id == Build.id)
+                           .where(Build.commit_id.in_([c["id"] for c in found]))
+                           .order_by(Run.id))
+    keys = ("id", "commit_id", "patch_set", "fingerprint", "config", "matrix", "model")
+    return {"commits": found, "runs": [dict(zip(keys, r, strict=True)) for r in runs]}
+
+
+def commit_metric_values(session: Session, commit_ids: list[int], metrics: list[str],
+                         scenarios: list[str], *, matrix: str | None = None,
+                         model: str | None = None) -> list[Row]:
+    """(run_id, scenario, name, value) rows of ``metrics`` in ``scenarios`` of every run of these
+    commits' builds (only of ``matrix`` and ``model`` when given)."""
+    # naming the scenarios lets the (run_id, scenario, name) index find each row directly
+    q = (select(Metric.run_id, Metric.scenario, Metric.name, Metric.value)
+         .join(Run, Metric.run_id == Run.id).join(Build, Run.build_id == Build.id)
+         .where(Build.commit_id.in_(commit_ids), Metric.scenario.in_(scenarios),
+                Metric.name.in_(metrics)))
     if matrix is not None:
         q = q.where(Run.matrix == matrix)
     if model is not None:
         q = q.where(Run.model == model)
-    if scenario is not None:
-        q = q.where(Metric.scenario == scenario)
-    q = q.order_by(Commit.committed_at, Commit.id, Run.id)
-    keys = ("commit", "committed_at", "patch_set", "run_id", "fingerprint", "config", "matrix",
-            "model", "scenario", "metric", "value", "verdict")
-    return [dict(zip(keys, row, strict=True)) for row in session.execute(q)]
+    return session.execute(q).all()
+
+
+def commit_failures(session: Session, commit_ids: list[int]) -> set[tuple[int, str]]:
+    """(run id, scenario) of the scenarios whose verdict is fail in runs of these commits."""
+    return set(session.execute(select(ScenarioRow.run_id, ScenarioRow.scenario)
+                               .join(Run, ScenarioRow.run_id == Run.id)
+                               .join(Build, Run.build_id == Build.id)
+                               .where(Build.commit_id.in_(commit_ids),
+                                      ScenarioRow.verdict == "fail")).all())
 
 
 def run_models(session: Session, run_ids: list[int]) -> dict[int, str]:
@@ -231,13 +247,9 @@ def run_models(session: Session, run_ids: list[int]) -> dict[int, str]:
     return dict(session.execute(select(Run.id, Run.model).where(Run.id.in_(run_ids))).all())
 
 
-def filter_choices(session: Session) -> dict[str, list[str]]:
-    """The matrices, models and branches the store has results for, sorted."""
-    def distinct(column) -> list[str]:
-        return sorted(v for v in session.scalars(select(column).distinct()) if v is not None)
-
-    return {"matrices": distinct(Run.matrix), "models": distinct(Run.model),
-            "branches": distinct(Commit.branch)}
+def branches(session: Session) -> list[str]:
+    """The branches the store has commits of, sorted."""
+    return sorted(b for b in session.scalars(select(Commit.branch).distinct()) if b is not None)
 
 
 def job_summaries(session: Session, *, status: str | None = None,
@@ -308,7 +320,8 @@ def run_samples(session: Session, run_ids: list[int]) -> dict[int, list[dict[str
 
 def commit_summaries(session: Session, *, branch: str | None = None, limit: int = 100,
                      offset: int = 0) -> list[dict[str, Any]]:
-    """Commits, newest first, each with its builds (patch sets) and their runs' verdict counts."""
+    """Commits, newest first, each with its builds (patch sets) and the verdict counts of their
+    configs' latest runs."""
     q = (select(Commit).order_by(Commit.committed_at.desc(), Commit.id.desc())
          .limit(limit).offset(offset))
     if branch is not None:
@@ -316,11 +329,18 @@ def commit_summaries(session: Session, *, branch: str | None = None, limit: int 
     commits = session.scalars(q).all()
     builds: dict[int, dict[str, dict[str, int]]] = {c.id: {} for c in commits}
     if commits:
+        # the latest run of each config (fingerprint) of each build: a config evaluated again
+        # counts once, with its newest verdict
+        latest = (select(Run.id, Run.build_id, Run.verdict, Run.status,
+                         func.row_number().over(partition_by=(Run.build_id, Run.fingerprint),
+                                                order_by=Run.id.desc()).label("rank"))
+                  .join(Build, Run.build_id == Build.id)
+                  .where(Build.commit_id.in_(list(builds))).subquery())
         for commit_id, patch_set, verdict, run_status, n in session.execute(
-                select(Build.commit_id, Build.patch_set, Run.verdict, Run.status, func.count())
-                .join(Run, Run.build_id == Build.id)
-                .where(Build.commit_id.in_(list(builds)))
-                .group_by(Build.commit_id, Build.patch_set, Run.verdict, Run.status)):
+                select(Build.commit_id, Build.patch_set, latest.c.verdict, latest.c.status,
+                       func.count())
+                .join(latest, latest.c.build_id == Build.id).where(latest.c.rank == 1)
+                .group_by(Build.commit_id, Build.patch_set, latest.c.verdict, latest.c.status)):
             counts = builds[commit_id].setdefault(patch_set, {})
             key = verdict or run_status  # a run without a verdict yet counts by its status
             counts[key] = counts.get(key, 0) + n

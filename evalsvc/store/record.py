@@ -23,7 +23,8 @@ from evalsvc.types import RunResult
 SAMPLE_FIELDS = ("prompt_id", "prompt_tokens", "cached_tokens", "host_cached_tokens",
                  "completion_tokens", "hit", "kl_k1_mean", "kl_k2_mean", "kl_k3_mean", "kl_k3_max",
                  "topk_kl_mean", "same_top_rate", "first_divergence", "accept_length")
-TOKEN_FIELDS = ("output_ids", "decode_logprobs", "reference_logprobs")
+TOKEN_FIELDS = ("output_ids", "decode_logprobs", "reference_logprobs", "decode_top_ids",
+                "decode_top_logprobs", "reference_top_ids", "reference_top_logprobs")
 
 
 @dataclass

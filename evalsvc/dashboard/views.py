@@ -1,0 +1,391 @@
+"""The dashboard's HTML pages: overview, commits, jobs, a job, compare, and a sample's tokens.
+
+Pages render server-side from the store's queries; chart data goes into the page as JSON, drawn by
+Plotly (served from the installed ``plotly`` package, nothing from the internet).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterable
+from datetime import datetime
+from itertools import pairwise
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Path as PathParam
+from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.templating import Jinja2Templates
+from sqlalchemy import select
+
+from evalsvc.api.deps import SessionDep, require_read
+from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
+from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
+from evalsvc.store import queries
+from evalsvc.store.models import Run, Sample
+
+DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
+templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
+router = APIRouter(dependencies=[Depends(require_read)], include_in_schema=False,
+                   default_response_class=HTMLResponse)
+
+TREND_METRICS = ("kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99", "kl_k3_max", "topk_kl_mean",
+                 "same_top_rate", "hit_coverage", "accept_length")
+LOG_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99", "kl_k3_max", "topk_kl_mean"}
+FINISHED = ("done", "failed", "cancelled")
+LOG_TAIL_BYTES = 8_000
+PAGE_SIZE = 100
+# compare verdicts, worst first: the order of the compare page
+COMPARE_ORDER = ("regression", "fail", "inconclusive", "improvement", "pass")
+
+JobId = Annotated[str, PathParam(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+RunId = Annotated[int, PathParam(ge=1, le=2**31 - 1)]
+Text = Annotated[str | None, Query(max_length=300)]
+
+
+def number(value: float | None, digits: int = 3) -> str:
+    """A metric for reading: 3 significant digits, '-' for none."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}"
+
+
+def when(value: datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M UTC") if value else "-"
+
+
+def short_ref(ref: str) -> str:
+    """A commit's label: its sha's first 10 characters, or its version."""
+    if "@" in ref:
+        return ref.rsplit("@", 1)[1][:10]
+    return ref.rsplit("==", 1)[-1]
+
+
+def as_json(value: Any, indent: int | None = None) -> str:
+    """JSON for reading (the templates escape it as text)."""
+    return json.dumps(value, indent=indent, sort_keys=indent is not None, default=str)
+
+
+templates.env.filters.update(number=number, when=when, short_ref=short_ref, as_json=as_json,
+                             exp=math.exp, zip_longest=itertools.zip_longest)
+
+
+def runs_url(request: Request) -> str:
+    """The run pages' URL without the id: many run and sample links without a url_for each
+    (a url_for walks the routes)."""
+    return request.url_for("read_run_page", run_id=1).path.removesuffix("1")
+
+
+def page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    return templates.TemplateResponse(request, name, {"runs_url": runs_url(request), **context},
+                                      status_code=status_code)
+
+
+def problem(request: Request, status_code: int, message: str) -> HTMLResponse:
+    return page(request, "error.html", status_code, title="Not found" if status_code == 404
+                else "Bad request", message=message)
+
+
+def _blank(value: str | None) -> str | None:
+    """An empty form field means no filter."""
+    return value or None
+
+
+def finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def kl_threshold(matrix: str, cache: dict[str, float | None]) -> float | None:
+    """The matrix file's KL threshold (kl_k3_mean, nats); None for a matrix not under configs/."""
+    if matrix not in cache:
+        try:
+            cache[matrix] = load_matrix(matrix).thresholds.kl_k3_mean
+        except MatrixError:
+            cache[matrix] = None
+    return cache[matrix]
+
+
+# ---- overview ------------------------------------------------------------------------------
+
+def trend_charts(window: dict[str, list[dict[str, Any]]], values: Iterable[tuple],
+                 failures: set[tuple[int, str]], metric: str) -> dict[str, Any]:
+    """Chart data: the window's commits (time, label) once, and per fingerprint its series per
+    metric, scenario and patch set as commit indices, values and run ids, with the points whose
+    scenario verdict is fail (the regression markers). ``values``: (run_id, scenario, metric,
+    value) rows of the window's runs."""
+    index = {c["id"]: i for i, c in enumerate(window["commits"])}
+    runs = {r["id"]: r for r in window["runs"]}
+    points: dict[tuple[str, str, str, str], list[tuple]] = {}
+    for run_id, scenario, name, value in values:
+        if value is None or not math.isfinite(value):
+            continue
+        run = runs[run_id]
+        points.setdefault((run["fingerprint"], name, scenario, run["patch_set"]), []).append(
+            (index[run["commit_id"]], run_id, value, (run_id, scenario) in failures))
+    charts: dict[str, dict[str, Any]] = {}
+    thresholds: dict[str, float | None] = {}
+    for (fingerprint, name, scenario, patch_set), series in sorted(points.items()):
+        series.sort()
+        run = runs[series[0][1]]
+        chart = charts.setdefault(fingerprint, {
+            "fingerprint": fingerprint, "config": run["config"], "model": run["model"],
+            "threshold": kl_threshold(run["matrix"], thresholds) if metric == "kl_k3_mean"
+            else None, "series": []})
+        chart["series"].append({
+            "metric": name, "name": scenario + (f" [{patch_set}]" if patch_set else ""),
+            "c": [p[0] for p in series], "run": [p[1] for p in series],
+            "y": [float(f"{p[2]:.4g}") for p in series],
+            "fail": [i for i, p in enumerate(series) if p[3]]})
+    return {"commits": [[c["committed_at"].isoformat(), short_ref(c["ref"])]
+                        for c in window["commits"]],
+            "charts": sorted(charts.values(), key=lambda c: (c["config"], c["fingerprint"])),
+            "metric": metric, "log": metric in LOG_METRICS}
+
+
+@router.get("/")
+def read_overview_page(request: Request, session: SessionDep, matrix: Text = None,
+                       model: Text = None, scenario: Text = None, branch: Text = None,
+                       metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean",
+                       commits: Annotated[int, Query(ge=2, le=100)] = 100) -> HTMLResponse:
+    """Latest verdict per config, and per-config trends over the newest commits."""
+    matrix, model, scenario, branch = map(_blank, (matrix, model, scenario, branch))
+    if metric not in TREND_METRICS:
+        return problem(request, 422, f"metric {metric!r}: one of {', '.join(TREND_METRICS)}")
+    if scenario is not None and scenario not in SCENARIOS:
+        return problem(request, 422, f"scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
+    latest = queries.latest_per_config(session, matrix=matrix, branch=branch)
+    if model is not None:
+        models = queries.run_models(session, [r["run_id"] for r in latest])
+        latest = [r for r in latest if models[r["run_id"]] == model]
+    shown = [scenario] if scenario else [s for s in SCENARIOS
+                                         if any(s in r["scenarios"] for r in latest)]
+    window = queries.trend_window(session, branch=branch, commits=commits)
+    commit_ids = [c["id"] for c in window["commits"]]
+    values = queries.commit_metric_values(session, commit_ids,
+                                          list(dict.fromkeys([metric, "accept_length"])),
+                                          [scenario] if scenario else list(SCENARIOS),
+                                          matrix=matrix, model=model)
+    trends = {**trend_charts(window, values, queries.commit_failures(session, commit_ids), metric),
+              "runs_url": runs_url(request)}
+    filters = {"matrix": matrix, "model": model, "scenario": scenario, "branch": branch,
+               "metric": metric, "commits": commits}
+    choices = {"matrices": sorted({r["matrix"] for r in window["runs"]}),
+               "models": sorted({r["model"] for r in window["runs"]}),
+               "branches": queries.branches(session), "scenarios": SCENARIOS,
+               "metrics": TREND_METRICS}
+    return page(request, "overview.html", title="Overview", latest=latest, scenarios=shown,
+                trends=trends, filters=filters, choices=choices)
+
+
+# ---- commits and jobs ----------------------------------------------------------------------
+
+@router.get("/commits")
+def read_commits_page(request: Request, session: SessionDep, branch: Text = None,
+                      page_number: Annotated[int, Query(alias="page", ge=1, le=100_000)] = 1
+                      ) -> HTMLResponse:
+    """Commits, newest first, with the verdicts of each build."""
+    branch = _blank(branch)
+    commits = queries.commit_summaries(session, branch=branch, limit=PAGE_SIZE + 1,
+                                       offset=(page_number - 1) * PAGE_SIZE)
+    for newer, older in pairwise(commits):  # "compare with previous" (one past the page too)
+        newer["previous"] = older["ref"]
+    more = len(commits) > PAGE_SIZE
+    commits = commits[:PAGE_SIZE]
+    return page(request, "commits.html", title="Commits", commits=commits, branch=branch,
+                page_number=page_number, more=more, branches=queries.branches(session))
+
+
+@router.get("/jobs")
+def read_jobs_page(request: Request, session: SessionDep,
+                   status: Annotated[str | None, Query(max_length=20)] = None) -> HTMLResponse:
+    """Jobs, newest first; running ones follow their progress live."""
+    status = _blank(status)
+    return page(request, "jobs.html", title="Jobs", status=status, finished=FINISHED,
+                jobs=queries.job_summaries(session, status=status, limit=PAGE_SIZE))
+
+
+def log_tail(path: str | None) -> str | None:
+    """The last LOG_TAIL_BYTES of an engine log (from a line start), None if it is not here."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(size - LOG_TAIL_BYTES, 0))
+            data = f.read()
+    except OSError:
+        return None
+    text = data.decode("utf-8", errors="replace")
+    if size > LOG_TAIL_BYTES and "\n" in text:
+        text = text.split("\n", 1)[1]
+    return text
+
+
+def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Configs (x builds) by scenarios: per cell the run, verdict, KL mean with interval, hit
+    coverage and acceptance length."""
+    labels = {(b["commit"], b["patch_set"]): b["label"] for b in builds}
+    scenarios = [s for s in SCENARIOS if any(sc["scenario"] == s for r in runs
+                                             for sc in r["scenarios"])]
+    rows = []
+    for r in runs:
+        cells = {}
+        for sc in r["scenarios"]:
+            m = sc["metrics"]
+            kl = m.get("kl_k3_mean", {})
+            cells[sc["scenario"]] = {
+                "verdict": sc["verdict"], "reason": sc["reason"], "kl": kl.get("value"),
+                "ci_low": kl.get("ci_low"), "ci_high": kl.get("ci_high"),
+                "hit_coverage": m.get("hit_coverage", {}).get("value"),
+                "accept_length": m.get("accept_length", {}).get("value")}
+        rows.append({"run": r, "build": labels[(r["commit"], r["patch_set"])], "cells": cells})
+    return {"scenarios": scenarios, "rows": rows}
+
+
+def args_table(requested: dict[str, Any] | None, resolved: dict[str, Any] | None
+               ) -> list[dict[str, Any]]:
+    """Each argument asked for with the value the engine resolved it to; ``differs`` where they
+    are not the same."""
+    resolved = resolved or {}
+    return [{"name": key, "requested": value, "resolved": resolved.get(key),
+             "differs": key in resolved and resolved[key] != value}
+            for key, value in (requested or {}).items()]
+
+
+def build_label(build: dict[str, Any]) -> str:
+    return short_ref(build["commit"]) + (f" + {build['patch_set']}" if build["patch_set"] else "")
+
+
+@router.get("/jobs/{job_id}")
+def read_job_page(job_id: JobId, request: Request, session: SessionDep) -> HTMLResponse:
+    """A job: its matrix table, builds with their manifests, and each run's arguments and log."""
+    job = queries.job_detail(session, job_id)
+    if job is None:
+        return problem(request, 404, f"no job {job_id}")
+    builds = queries.job_builds(session, job_id)
+    for b in builds:
+        b["label"] = build_label(b)
+    runs = queries.job_runs(session, job_id)
+    samples = queries.run_samples(session, [r["id"] for r in runs])
+    for r in runs:
+        r["args"] = args_table(r["requested_args"], r["resolved_args"])
+        r["log"] = log_tail(r["log_path"])
+        r["samples"] = samples[r["id"]]
+    progress: dict[str, int] = {}
+    for r in runs:
+        progress[r["status"]] = progress.get(r["status"], 0) + 1
+    compare_link = None
+    if len(builds) == 2:
+        compare_link = request.url_for("read_compare_page").include_query_params(
+            baseline=builds[0]["commit"], contender=builds[1]["commit"],
+            baseline_patches=builds[0]["patch_set"], contender_patches=builds[1]["patch_set"])
+    return page(request, "job.html", title=f"Job {job_id}", job=job, builds=builds, runs=runs,
+                table=matrix_table(runs, builds), progress=progress, finished=FINISHED,
+                compare_link=compare_link)
+
+
+@router.get("/runs/{run_id}")
+def read_run_page(run_id: RunId, request: Request, session: SessionDep) -> HTMLResponse:
+    """A run: its place on its job's page."""
+    job_id = session.scalar(select(Run.job_id).where(Run.id == run_id))
+    if job_id is None:
+        return problem(request, 404, f"no run {run_id}")
+    url = request.url_for("read_job_page", job_id=job_id)
+    return RedirectResponse(f"{url.path}#run-{run_id}", status_code=303)
+
+
+# ---- compare -------------------------------------------------------------------------------
+
+def compare_verdict(baseline: str | None, contender: str | None) -> str:
+    """A comparison's verdict from the two sides' scenario verdicts: regression (pass -> fail),
+    improvement (fail -> pass), fail (failing on both), pass, or inconclusive (either side was
+    inconclusive, invalid, errored or missing)."""
+    if baseline not in ("pass", "fail") or contender not in ("pass", "fail"):
+        return "inconclusive"
+    if baseline == contender:
+        return baseline
+    return "regression" if contender == "fail" else "improvement"
+
+
+@router.get("/compare")
+def read_compare_page(request: Request, session: SessionDep, baseline: Text = None,
+                      contender: Text = None,
+                      baseline_patches: Annotated[str, Query(max_length=500)] = "",
+                      contender_patches: Annotated[str, Query(max_length=500)] = "",
+                      metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean") -> HTMLResponse:
+    """Baseline vs contender per config and scenario, regressions first."""
+    form = {"baseline": baseline or "", "contender": contender or "",
+            "baseline_patches": baseline_patches, "contender_patches": contender_patches,
+            "metric": metric}
+    recent = [c["ref"] for c in queries.commit_summaries(session, limit=50)]
+    if not baseline or not contender:
+        return page(request, "compare.html", title="Compare", form=form, recent=recent, rows=None)
+    builds = {}
+    for name, ref, patches in (("baseline", baseline, baseline_patches),
+                               ("contender", contender, contender_patches)):
+        build = queries.find_build(session, ref, patches)
+        if build is None:
+            return problem(request, 404, f"{name}: no build of {ref!r} with patch set {patches!r}")
+        builds[name] = build.id
+    rows = queries.compare(session, builds["baseline"], builds["contender"], metric=metric)
+    verdicts = queries.scenario_verdicts_of(
+        session, [r["baseline_run"] for r in rows] + [r["contender_run"] for r in rows])
+    for r in rows:
+        r["baseline_verdict"] = verdicts.get((r["baseline_run"], r["scenario"]))
+        r["contender_verdict"] = verdicts.get((r["contender_run"], r["scenario"]))
+        r["verdict"] = compare_verdict(r["baseline_verdict"], r["contender_verdict"])
+    rows.sort(key=lambda r: (COMPARE_ORDER.index(r["verdict"]), -(r["delta"] or 0.0),
+                             r["config"], r["scenario"]))
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in COMPARE_ORDER}
+    return page(request, "compare.html", title="Compare", form=form, recent=recent, rows=rows,
+                counts={v: n for v, n in counts.items() if n}, permalink=str(request.url))
+
+
+# ---- a sample's tokens ---------------------------------------------------------------------
+
+@router.get("/runs/{run_id}/samples/{sample_id}")
+def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
+                     sample_id: Annotated[str, PathParam(max_length=100)],
+                     scenario: Annotated[str | None, Query(max_length=40)] = None,
+                     position: Annotated[int | None, Query(ge=0, le=1_000_000)] = None
+                     ) -> HTMLResponse:
+    """One sample: its generated tokens coloured by per-token KL, the first divergent token
+    marked, and both sides' logprobs at a chosen position."""
+    run = queries.run_detail(session, run_id)
+    if run is None:
+        return problem(request, 404, f"no run {run_id}")
+    q = select(Sample).where(Sample.run_id == run_id, Sample.sample_id == sample_id)
+    if scenario:
+        q = q.where(Sample.scenario == scenario)
+    found = session.scalars(q).all()
+    if not found:
+        return problem(request, 404, f"run {run_id} has no sample {sample_id!r}"
+                       + (f" in scenario {scenario}" if scenario else ""))
+    if len(found) > 1:
+        return problem(request, 422, f"sample {sample_id!r} is in several scenarios of run "
+                                     f"{run_id}: name one with ?scenario=")
+    sample = found[0]
+    path = run["samples_path"]
+    row = read_sample(path, sample.scenario, sample_id) if path and Path(path).is_file() else None
+    if row is None:
+        return problem(request, 404, f"run {run_id}: the token-level record of sample "
+                                     f"{sample_id!r} is not here ({path or 'no samples file'})")
+    try:
+        tokens = sample_tokens(row, (run["requested_args"] or {}).get("model_path"))
+    except ValueError as exc:
+        return problem(request, 422, f"sample {sample_id!r}: its logprobs are not usable ({exc})")
+    first = sample.first_divergence
+    if position is None:
+        position = first if first is not None else 0
+    if tokens and position >= len(tokens):
+        return problem(request, 422, f"position {position}: the sample has {len(tokens)} tokens")
+    chart = {"k3": [finite(t["k3"]) for t in tokens], "first": first, "position": position}
+    top = top_candidates(row, position, (run["requested_args"] or {}).get("model_path"))
+    return page(request, "sample.html", title=f"Sample {sample_id}", run=run, sample=sample,
+                tokens=tokens, first=first, position=position,
+                at=tokens[position] if tokens else None, chart=chart, top=top,
+                decoded=any(t["text"] is not None for t in tokens))
