@@ -7,13 +7,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, Field
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from evalsvc.api.deps import ServicesDep, SessionDep, require_read, require_write
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import queries
-from evalsvc.store.models import Build, Commit, Job, Run
+from evalsvc.store.models import Job, Run
 
 router = APIRouter(dependencies=[Depends(require_read)])
 JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -122,21 +122,18 @@ def cancel_job(job_id: JobId, services: ServicesDep) -> dict[str, str]:
 
 
 @router.get("/commits", tags=["results"])
-def read_commits(session: SessionDep, repository: Annotated[str | None, Query(max_length=255)] = None,
-                 limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
-    """Commits, newest first, with the verdict counts of their latest runs."""
-    q = select(Commit).order_by(Commit.committed_at.desc(), Commit.id.desc()).limit(limit)
-    if repository is not None:
-        q = q.where(Commit.repository == repository)
-    out = []
-    for c in session.scalars(q):
-        counts = dict(session.execute(
-            select(Run.verdict, func.count()).join(Build).where(Build.commit_id == c.id)
-            .group_by(Run.verdict)).all())
-        out.append({"ref": c.ref, "repository": c.repository, "sha": c.sha, "version": c.version,
-                    "committed_at": c.committed_at, "branch": c.branch,
-                    "builds": [b.patch_set for b in c.builds],
-                    "verdicts": {str(k): v for k, v in counts.items()}})
+def read_commits(session: SessionDep, branch: Annotated[str | None, Query(max_length=255)] = None,
+                 limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                 offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> list[dict[str, Any]]:
+    """Commits, newest first, with the verdict counts of their configs' latest runs, per build
+    (patch set) and in all."""
+    out = queries.commit_summaries(session, branch=branch, limit=limit, offset=offset)
+    for c in out:
+        total: dict[str, int] = {}
+        for counts in c["builds"].values():
+            for verdict, n in counts.items():
+                total[verdict] = total.get(verdict, 0) + n
+        c["verdicts"] = total
     return out
 
 

@@ -12,6 +12,7 @@ import pytest
 from evalsvc.metrics import paired_difference_ci
 from evalsvc.store.db import Store
 from evalsvc.store.queries import (
+    commit_summaries,
     compare,
     find_build,
     golden_runs,
@@ -372,3 +373,17 @@ def test_set_golden_replaces_the_golden_run_of_a_fingerprint(store, results_dir)
 def test_set_golden_of_an_unknown_run(history):
     with history.store.session() as s, pytest.raises(KeyError, match="no run 42"):
         set_golden(s, 42)
+
+
+def test_commit_summaries_count_each_configs_latest_run(store, results_dir):
+    """A config evaluated again counts once, with its newest verdict; per build (patch set)."""
+    build = build_ref("c" * 40)
+    record(store, results_dir, "job-1", build, [run_result("cfg-a", {"cold": [0.5, 0.5]}),
+                                                run_result("cfg-b", {"cold": [1e-6, 1e-6]})])
+    record(store, results_dir, "job-2", build, [run_result("cfg-a", {"cold": [1e-6, 1e-6]})])
+    patched = build_ref("c" * 40, patches=["pr37165-clear-deferred-mamba-metadata"])
+    record(store, results_dir, "job-3", patched, [run_result("cfg-a", {"cold": [0.5, 0.5]})])
+    with store.session() as s:
+        (summary,) = commit_summaries(s)
+    assert summary["builds"] == {"": {"pass": 2},
+                                 "pr37165-clear-deferred-mamba-metadata": {"fail": 1}}
