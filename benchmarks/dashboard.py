@@ -19,7 +19,6 @@ page's size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -41,7 +40,13 @@ from sqlalchemy.engine import make_url
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.store import SAMPLES_PER_SCENARIO, after_load, load, make_configs  # noqa: E402
+from benchmarks.store import (  # noqa: E402
+    SAMPLES_PER_SCENARIO,
+    after_load,
+    load,
+    make_configs,
+    parse_args,
+)
 from evalsvc.api.app import create_app  # noqa: E402
 from evalsvc.settings import Settings  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
@@ -153,17 +158,7 @@ def bench(url: str, n_commits: int, configs: list[dict[str, Any]], repeats: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--commits", type=int, default=1000)
-    ap.add_argument("--configs", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
-                    help="a database on the server to create the benchmark's own database from")
-    ap.add_argument("--skip-postgres", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dashboard.json")
-    args = ap.parse_args()
-    if args.commits < 2:
-        ap.error("--commits must be at least 2 (the compare page needs two builds)")
+    args = parse_args(__doc__.split("\n")[0], repeats=10, out="dashboard.json")
 
     configs = make_configs(args.configs)
     report: dict[str, Any] = {

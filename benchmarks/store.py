@@ -386,18 +386,24 @@ def bench_postgres(admin_url: str, n_commits: int, configs, repeats: int) -> dic
         admin.dispose()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(description: str, repeats: int, out: str) -> argparse.Namespace:
+    """The options of the benchmarks over a synthetic store (this one and the dashboard's)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--commits", type=int, default=1000)
     ap.add_argument("--configs", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
                     help="a database on the server to create the benchmark's own database from")
     ap.add_argument("--skip-postgres", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "store.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / out)
     args = ap.parse_args()
     if args.commits < 2:
-        ap.error("--commits must be at least 2 (compare needs two builds)")
+        ap.error("--commits must be at least 2 (comparing needs two builds)")
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__.split("\n")[0], repeats=20, out="store.json")
 
     configs = make_configs(args.configs)
     report: dict[str, Any] = {
