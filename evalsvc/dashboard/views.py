@@ -6,12 +6,11 @@ Plotly (served from the installed ``plotly`` package, nothing from the internet)
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from collections.abc import Iterable
 from datetime import datetime
-from itertools import pairwise
+from itertools import pairwise, zip_longest
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +21,7 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import select
 
 from evalsvc.api.deps import SessionDep, require_read
+from evalsvc.api.routes import JobId, RunId
 from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
 from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
 from evalsvc.store import queries
@@ -41,8 +41,6 @@ PAGE_SIZE = 100
 # compare verdicts, worst first: the order of the compare page
 COMPARE_ORDER = ("regression", "fail", "inconclusive", "improvement", "pass")
 
-JobId = Annotated[str, PathParam(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-RunId = Annotated[int, PathParam(ge=1, le=2**31 - 1)]
 Text = Annotated[str | None, Query(max_length=300)]
 
 
@@ -70,7 +68,7 @@ def as_json(value: Any, indent: int | None = None) -> str:
 
 
 templates.env.filters.update(number=number, when=when, short_ref=short_ref, as_json=as_json,
-                             exp=math.exp, zip_longest=itertools.zip_longest)
+                             exp=math.exp, zip_longest=zip_longest)
 
 
 def runs_url(request: Request) -> str:
