@@ -160,8 +160,8 @@ def run_service_demo(matrix: str) -> int:
                 f"  samples      {settings.results_dir() / job_id}/*.parquet\n"
                 f"  engine logs  {settings.data_dir / 'logs' / job_id}\n"
                 f"  export       .venv/bin/evalsvc export out/{job_id}.csv --job {job_id}\n"
-                f"  browse       .venv/bin/evalsvc serve, then http://127.0.0.1:8000/docs and "
-                f"/api/v1/jobs/{job_id}")
+                f"  browse       .venv/bin/evalsvc serve, then http://127.0.0.1:8000/jobs/{job_id} "
+                f"(dashboard), /api/v1/jobs/{job_id} (REST), /docs (OpenAPI)")
             return 0 if job["status"] == "done" else 1
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
