@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -90,26 +91,17 @@ def read_jobs(session: SessionDep,
 @router.get("/jobs/{job_id}", response_model=JobDetail, tags=["jobs"])
 def read_job(job_id: JobId, session: SessionDep) -> JobDetail:
     """A job with the progress of each of its runs (and the comparison of its two builds)."""
-    job = session.get(Job, job_id)
+    job = queries.job_detail(session, job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {job_id}")
-    runs = session.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id)).all()
-    progress: dict[str, int] = {}
-    out = []
-    builds: list[int] = []
-    for r in runs:
-        progress[r.status] = progress.get(r.status, 0) + 1
-        if r.build_id not in builds:
-            builds.append(r.build_id)
-        label = r.build.commit.ref + (f"+{r.build.patch_set}" if r.build.patch_set else "")
-        out.append(RunProgress(id=r.id, config=r.config, fingerprint=r.fingerprint, build=label,
-                               status=r.status, verdict=r.verdict, reason=r.reason,
-                               scenarios={s.scenario: s.verdict for s in r.scenarios}))
+    runs = job.pop("runs")
+    builds = list(dict.fromkeys(r["build_id"] for r in runs))
     comparison = None
-    if len(builds) == 2 and job.status == "done":
+    if len(builds) == 2 and job["status"] == "done":
         comparison = queries.compare(session, builds[0], builds[1])
-    return JobDetail(**_public(job).model_dump(), spec=job.spec, runs=out, progress=progress,
-                     comparison=comparison)
+    return JobDetail(**job, matrix=job["spec"].get("matrix_name", ""),
+                     runs=[RunProgress(**r) for r in runs],
+                     progress=dict(Counter(r["status"] for r in runs)), comparison=comparison)
 
 
 @router.post("/jobs/{job_id}/cancel", tags=["jobs"], dependencies=[Depends(require_write)])

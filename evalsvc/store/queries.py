@@ -134,11 +134,14 @@ def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
     if job is None:
         return None
     runs = session.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id)
-                           .options(selectinload(Run.scenarios))).all()
+                           .options(selectinload(Run.scenarios),
+                                    selectinload(Run.build).selectinload(Build.commit))).all()
     return {"id": job.id, "trigger": job.trigger, "status": job.status, "priority": job.priority,
             "spec": job.spec, "created_at": job.created_at, "started_at": job.started_at,
             "finished_at": job.finished_at, "error": job.error,
             "runs": [{"id": r.id, "config": r.config, "fingerprint": r.fingerprint,
+                      "build_id": r.build_id, "build": r.build.commit.ref
+                      + (f"+{r.build.patch_set}" if r.build.patch_set else ""),
                       "status": r.status, "verdict": r.verdict, "reason": r.reason,
                       "scenarios": {s.scenario: s.verdict for s in r.scenarios}} for r in runs]}
 

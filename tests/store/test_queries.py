@@ -314,7 +314,9 @@ def test_job_detail(history):
     assert as_utc(d["finished_at"]) <= datetime.now(UTC)
     assert [r["config"] for r in d["runs"]] == list(CONFIGS)
     run = d["runs"][0]
-    assert set(run) == {"id", "config", "fingerprint", "status", "verdict", "reason", "scenarios"}
+    assert set(run) == {"id", "config", "fingerprint", "build_id", "build", "status", "verdict",
+                        "reason", "scenarios"}
+    assert run["build"].startswith("sgl-project/sglang") and "+" not in run["build"]  # unpatched
     assert run["id"] == history.runs[(3, "cfg-a", False)]
     assert (run["status"], run["verdict"], run["reason"]) == ("done", "pass", None)
     assert run["scenarios"] == {"cold": "pass", "prefill_hit": "pass"}
