@@ -18,7 +18,8 @@ def main(argv: list[str]) -> int:
     for warning in args.warnings:
         log.warning(warning)
     if args.defects:
-        log.warning("defects switched on: %s", ", ".join(args.defects))
+        log.warning("defects switched on: %s", ", ".join(
+            d if s >= 1.0 else f"{d} (strength {s:g})" for d, s in args.defect_strengths.items()))
 
     import uvicorn
 

@@ -16,7 +16,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .defects import ENV_VAR, Defect, parse_defects
+from .defects import ENV_VAR, Defect, parse_defect_strengths
 from .paths import DEFAULT_MODEL, shipped_models
 
 log = logging.getLogger("evalsvc.engine")
@@ -85,12 +85,14 @@ class EngineArgs:
     trust_remote_code: bool = False
     load_format: str = "auto"
     context_length: int | None = None
-    defects: list[Defect] = field(default_factory=list)
+    defects: list[Defect] = field(default_factory=list)  # switched on, at any strength
+    defect_strengths: dict[Defect, float] = field(default_factory=dict)  # each in (0, 1]
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["defects"] = [str(d) for d in self.defects]
+        data["defect_strengths"] = {str(d): s for d, s in self.defect_strengths.items()}
         return data
 
     def host_pool_sizes(self, bytes_per_token: int, bytes_per_slot: int) -> tuple[int, int]:
@@ -153,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--trust-remote-code", action="store_true")
     a("--load-format", default="auto", choices=["auto", "safetensors"])
     a("--context-length", type=int, default=None)
-    a("--inject-defect", action="append", default=[], metavar="NAME",
-      help=f"switch on a known defect (repeatable; also {ENV_VAR}): "
-           + ", ".join(d.value for d in Defect))
+    a("--inject-defect", action="append", default=[], metavar="NAME[@STRENGTH]",
+      help=f"switch on a known defect (repeatable; also {ENV_VAR}); STRENGTH in (0, 1] is the "
+           "fraction of requests it affects (default 1): " + ", ".join(d.value for d in Defect))
     return p
 
 
@@ -188,7 +190,8 @@ def resolve(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Engine
     args.model_path = str(model)
     config = json.loads((model / "config.json").read_text())
     try:
-        args.defects = parse_defects(ns.inject_defect, env)
+        args.defect_strengths = parse_defect_strengths(ns.inject_defect, env)
+        args.defects = list(args.defect_strengths)
     except ValueError as exc:
         raise ArgError(str(exc)) from None
 
