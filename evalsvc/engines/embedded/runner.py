@@ -66,6 +66,8 @@ class ForwardBatch:
     clear: list[int] | None = None
     kv_loads: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # host, dev
     state_loads: list[tuple[int, int]] = field(default_factory=list)  # host slot, device slot
+    late_state_loads: set[int] = field(default_factory=set)  # host-load-race: device slots whose
+    # load lands after the forward read them
     spec: bool = False
 
 
@@ -89,6 +91,8 @@ class ModelRunner:
     def __init__(self, model: HybridLM, kv: KVPool, states: StatePool, host: HostPool | None,
                  spec_steps: int = 0, host_load_race: bool = False,
                  deterministic: bool = False) -> None:
+        """``host_load_race``: every state load lands late (the scheduler marks single loads late
+        with ``ForwardBatch.late_state_loads``)."""
         self.model = model
         self.kv = kv
         self.states = states
@@ -109,8 +113,7 @@ class ModelRunner:
     def _forward(self, fb: ForwardBatch) -> list[ReqResult]:
         for host_idx, dev_idx in fb.kv_loads:
             self.host.load_kv(self.kv, host_idx, dev_idx)
-        if not self.host_load_race:
-            self._load_states(fb)
+        self._load_states(fb, late=False)
         if fb.mode == "extend":  # deferred ops belong to the extend that first runs a request
             self.states.clear_slots(fb.clear or [])
             self.states.copy_from(fb.cow_src or [], fb.cow_dst or [])
@@ -120,8 +123,7 @@ class ModelRunner:
             results = self._verify(fb)
         else:
             results = self._decode(fb)
-        if self.host_load_race:  # the load lands after the forward already read the slot
-            self._load_states(fb)
+        self._load_states(fb, late=True)  # host-load-race: after the forward already read the slot
         self.forward_count += 1
         return results
 
@@ -129,9 +131,10 @@ class ModelRunner:
         self.last_token.pop(rid, None)
         self.generators.pop(rid, None)
 
-    def _load_states(self, fb: ForwardBatch) -> None:
+    def _load_states(self, fb: ForwardBatch, late: bool) -> None:
         for host_slot, dev_slot in fb.state_loads:
-            self.host.load_state(self.states, host_slot, dev_slot)
+            if (self.host_load_race or dev_slot in fb.late_state_loads) == late:
+                self.host.load_state(self.states, host_slot, dev_slot)
 
     # ---- state plumbing -------------------------------------------------------------------
     def _gather(self, slots: list[int]) -> SegmentStates:

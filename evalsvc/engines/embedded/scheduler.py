@@ -18,7 +18,8 @@ It follows SGLang's scheduler for hybrid models:
   survive device eviction there, and are loaded back on a hit.
 * MTP: every decode step drafts, verifies in one target forward, accepts, and runs a draft-extend.
 
-Defects (see ``defects.py``) switch single mechanisms to the buggy variant.
+Defects (see ``defects.py``) switch single mechanisms to the buggy variant, for the requests their
+strength selects (``_affected``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from .args import EngineArgs
-from .defects import Defect
+from .defects import Defect, affects
 from .memory import HostPool, KVPool, StatePool
 from .model import HybridLM
 from .radix import RadixCache, TreeNode
@@ -158,8 +159,11 @@ class ScheduleBatch:
         self.mamba_cow_src_indices: list[int] | None = None
         self.mamba_cow_dst_indices: list[int] | None = None
         self.mamba_clear_indices: list[int] | None = None
+        # stale-spec-metadata: the entries of the above that survive into decode
+        self.stale_ops: tuple[list[int], list[int], list[int]] = ([], [], [])
         self.kv_loads: list = []
         self.state_loads: list = []
+        self.late_state_loads: set[int] = set()  # host-load-race: device slots loaded late
         self.views: dict[str, ReqView] = {}
 
 
@@ -209,6 +213,7 @@ class Scheduler:
         self.model = model
         self.tokenizer = tokenizer
         self.defects = set(args.defects)
+        self.defect_strengths = {d: args.defect_strengths.get(d, 1.0) for d in args.defects}
         self.radix = not args.disable_radix_cache
         self.strategy = args.mamba_radix_cache_strategy if self.radix else None
         self.overlap = not args.disable_overlap_schedule
@@ -226,7 +231,6 @@ class Scheduler:
             self.host = HostPool(self.kv, self.states, tokens, slots)
         self.tree = RadixCache(self, args.hicache_write_policy if self.host else None)
         self.runner = ModelRunner(model, self.kv, self.states, self.host, self.spec_steps,
-                                  host_load_race=Defect.HOST_LOAD_RACE in self.defects,
                                   deterministic=args.enable_deterministic_inference)
         self.stream = Stream(threaded=self.overlap)
         self.preimages = Preimages(self.states) if self.overlap else None
@@ -262,6 +266,11 @@ class Scheduler:
         fut: Future = Future()
         self.inbox.put(("flush", fut))
         return fut.result(timeout=60)
+
+    def _affected(self, defect: Defect, req: Req) -> bool:
+        """Whether a switched-on defect acts on this request (its strength selects by prompt)."""
+        strength = self.defect_strengths.get(defect)
+        return strength is not None and affects(defect, req.origin, strength)
 
     def busy(self) -> int:
         return self.stats.num_running + self.stats.num_waiting + self.inbox.qsize()
@@ -466,7 +475,7 @@ class Scheduler:
             self.tree.unlock(node)
             return False
         if match is not None and match.length:
-            state_from_host = self._load_back(match, batch)
+            state_from_host = self._load_back(match, batch, req)
             prefix = match.device_indices()
             req.branching = self._branching(req, match)
             # as SGLang counts it: a state loaded from the host makes a host hit of at least 1
@@ -506,7 +515,7 @@ class Scheduler:
         aligned = pos // MAMBA_CACHE_CHUNK_SIZE * MAMBA_CACHE_CHUNK_SIZE
         return aligned if aligned > match.length else None
 
-    def _load_back(self, match, batch: ScheduleBatch) -> bool:
+    def _load_back(self, match, batch: ScheduleBatch, req: Req) -> bool:
         """HiCache hit: bring host-only KV and state of the matched path back to the device.
         Returns whether the state came from the host."""
         for node in match.path:
@@ -518,6 +527,8 @@ class Scheduler:
         if node.mamba is None:
             node.mamba = self._alloc_state()
             batch.state_loads.append((node.host_mamba, node.mamba))
+            if self._affected(Defect.HOST_LOAD_RACE, req):  # lands after the forward read it
+                batch.late_state_loads.add(node.mamba)
             self.stats.host_loads += 1
             return True
         return False
@@ -569,19 +580,27 @@ class Scheduler:
     def _collect_deferred_ops(self, batch: ScheduleBatch) -> None:
         """Gather the COW/clear recorded at match time into the batch's one-shot fields."""
         src, dst, clear = [], [], []
+        stale_src, stale_dst, stale_clear = [], [], []
         for req in batch.reqs:
             op, req.pending_op = req.pending_op, None
             if op is None:
                 continue
             chunked = req.scheduled < req.prompt_len
             if (op[0] == "cow" and chunked and self.strategy == "no_buffer"
-                    and Defect.DEFERRED_OPS_DROPPED in self.defects):
+                    and self._affected(Defect.DEFERRED_OPS_DROPPED, req)):
                 continue  # the split-prefill path loses the hit's copy-on-write
+            stale = self._affected(Defect.STALE_SPEC_METADATA, req)
             if op[0] == "cow":
                 src.append(op[1])
                 dst.append(req.slot)
+                if stale:
+                    stale_src.append(op[1])
+                    stale_dst.append(req.slot)
             else:
                 clear.append(req.slot)
+                if stale:
+                    stale_clear.append(req.slot)
+        batch.stale_ops = (stale_src, stale_dst, stale_clear)
         batch.mamba_cow_src_indices = src or None
         batch.mamba_cow_dst_indices = dst or None
         batch.mamba_clear_indices = clear or None
@@ -589,10 +608,12 @@ class Scheduler:
     def _prepare_for_decode(self, batch: ScheduleBatch) -> None:
         batch.mode = "decode"
         batch.kv_loads, batch.state_loads = [], []
-        if Defect.STALE_SPEC_METADATA not in self.defects:
-            batch.mamba_cow_src_indices = None
-            batch.mamba_cow_dst_indices = None
-            batch.mamba_clear_indices = None
+        batch.late_state_loads = set()
+        # the fix resets the one-shot fields; the defect keeps those its requests recorded
+        src, dst, clear = batch.stale_ops
+        batch.mamba_cow_src_indices = src or None
+        batch.mamba_cow_dst_indices = dst or None
+        batch.mamba_clear_indices = clear or None
         batch.views = {}
         n = self.spec_steps + 1
         for req in batch.reqs:
@@ -634,7 +655,8 @@ class Scheduler:
             id=self._launches, mode=batch.mode, reqs=[batch.views[r.key] for r in batch.reqs],
             cow_src=batch.mamba_cow_src_indices, cow_dst=batch.mamba_cow_dst_indices,
             clear=batch.mamba_clear_indices, kv_loads=list(batch.kv_loads),
-            state_loads=list(batch.state_loads), spec=self.spec_steps > 0)
+            state_loads=list(batch.state_loads), late_state_loads=set(batch.late_state_loads),
+            spec=self.spec_steps > 0)
         launch = Launch(fb.id, fb.mode, list(batch.reqs))
         self.inflight_batches += 1
         return self.stream.submit(lambda: (launch, self._forward(fb)))
@@ -757,7 +779,7 @@ class Scheduler:
             return
         length, slot = req.last_track
         req.last_track = None
-        if Defect.SNAPSHOT_RACE in self.defects:
+        if self._affected(Defect.SNAPSHOT_RACE, req):
             # the old fork: copy the snapshot now, on the scheduler, without waiting for the
             # forward that writes it
             new = self._alloc_state()
