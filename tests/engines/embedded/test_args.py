@@ -413,6 +413,50 @@ def test_unknown_defect_from_env_refused(capsys):
     assert ENV_VAR in err
 
 
+def test_defect_strengths_from_flag_and_env():
+    args = res("--inject-defect", "snapshot-race@0.25",
+               env={ENV_VAR: "host-load-race, deferred-ops-dropped@1 ,snapshot-race@.25"})
+    assert args.defects == [Defect.SNAPSHOT_RACE, Defect.HOST_LOAD_RACE,
+                            Defect.DEFERRED_OPS_DROPPED]
+    assert args.defect_strengths == {Defect.SNAPSHOT_RACE: 0.25, Defect.HOST_LOAD_RACE: 1.0,
+                                     Defect.DEFERRED_OPS_DROPPED: 1.0}
+    assert args.to_dict()["defect_strengths"] == {"snapshot-race": 0.25, "host-load-race": 1.0,
+                                                  "deferred-ops-dropped": 1.0}
+    assert args.to_dict()["defects"] == ["snapshot-race", "host-load-race", "deferred-ops-dropped"]
+
+
+def test_no_strength_is_full_strength():
+    args = res("--inject-defect", "stale-spec-metadata")
+    assert args.defect_strengths == {Defect.STALE_SPEC_METADATA: 1.0}
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1", "abc", "", "nan", "inf", "1e-400"])
+def test_bad_strength_from_flag_refused_naming_defect_value_and_flag(value):
+    with pytest.raises(ArgError) as err:
+        res("--inject-defect", f"host-load-race@{value}")
+    text = str(err.value)
+    assert "'host-load-race'" in text and repr(value) in text and "--inject-defect" in text
+    assert "(0, 1]" in text
+
+
+def test_bad_strength_from_env_refused_naming_the_variable(capsys):
+    err = refused(capsys, env={ENV_VAR: "snapshot-race@0.5,deferred-ops-dropped@2"})
+    assert "'deferred-ops-dropped'" in err and "'2'" in err and ENV_VAR in err
+
+
+def test_conflicting_strengths_refused_naming_both_origins():
+    with pytest.raises(ArgError) as err:
+        res("--inject-defect", "snapshot-race@0.5", env={ENV_VAR: "snapshot-race@0.25"})
+    text = str(err.value)
+    assert "'snapshot-race'" in text and "0.25" in text and "0.5" in text
+    assert ENV_VAR in text and "--inject-defect" in text
+
+
+def test_unknown_defect_with_a_strength_names_the_defect():
+    with pytest.raises(ArgError, match=r"unknown defect 'bogus'.*--inject-defect"):
+        res("--inject-defect", "bogus@0.5")
+
+
 def test_resolve_raises_arg_error():
     with pytest.raises(ArgError, match="--page-size 2"):
         res("--page-size", "2")

@@ -7,7 +7,14 @@ cold recompute after /flush_cache.
 
 from __future__ import annotations
 
+import os
+import random
+import subprocess
+import sys
+
 import pytest
+
+from evalsvc.engines.embedded.defects import Defect, affects, defect_fraction
 
 from .conftest import FAMILIES, LocalEngine, request, token_prompts
 from .test_cache_paths import CHUNK, TOL, config_flags, run_cache_paths
@@ -116,3 +123,70 @@ def test_stale_spec_metadata_drops_acceptance_only(model, strategy, demo_prompts
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < TOL, "logprobs must not change"
     assert bad_accept < 0.97 * good_accept, (
         f"acceptance length should drop: {good_accept:.3f} -> {bad_accept:.3f}")
+
+
+# ---- strength: the fraction of requests a defect affects -------------------------------------------
+
+def test_defect_selection_is_a_deterministic_function_of_name_and_prompt():
+    ids = list(range(300))
+    frac = defect_fraction(Defect.SNAPSHOT_RACE, ids)
+    assert 0.0 <= frac < 1.0
+    assert defect_fraction("snapshot-race", list(ids)) == frac
+    assert defect_fraction(Defect.HOST_LOAD_RACE, ids) != frac  # the name is part of the key
+    assert defect_fraction(Defect.SNAPSHOT_RACE, ids[:-1]) != frac
+    # the same in another process (no per-process salt, unlike Python's hash())
+    code = ("from evalsvc.engines.embedded.defects import defect_fraction; "
+            "print(repr(defect_fraction('snapshot-race', list(range(300)))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert float(out.stdout) == frac
+
+
+@pytest.mark.parametrize("defect", list(Defect))
+def test_roughly_the_requested_fraction_of_distinct_prompts_is_selected(defect):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 400))] for _ in range(4000)]
+    picked = {s: {i for i, p in enumerate(prompts) if affects(defect, p, s)}
+              for s in (0.1, 0.25, 0.5, 1.0)}
+    for strength, chosen in picked.items():
+        assert abs(len(chosen) / len(prompts) - strength) < 0.03, (strength, len(chosen))
+    assert picked[0.1] <= picked[0.25] <= picked[0.5] <= picked[1.0]  # nested: a threshold
+    assert len(picked[1.0]) == len(prompts)
+    assert affects(defect, [], 1.0)  # full strength: every request, even an empty prompt
+
+
+def _hit_divergence(strength: str, seeds: list[list[int]], hits: list[list[int]],
+                    cold: list[list[float]], engine_factory) -> list[bool]:
+    """Whether each hit request's prompt logprobs diverge from the cold recompute."""
+    eng = engine_factory(["--model-path", "hybrid-mamba2-tiny", *NB_CHUNKED_FLAGS,
+                          "--inject-defect", f"deferred-ops-dropped@{strength}"])
+    eng.generate([request(f"seed{i}", s) for i, s in enumerate(seeds)])
+    out = []
+    for i, (seed, hit) in enumerate(zip(seeds, hits, strict=True)):
+        r = eng.one(hit, f"hit{i}", logprob_start_len=len(seed))
+        assert r.cached_tokens == len(seed), f"hit{i} did not hit its seed: {r.cached_tokens}"
+        diff = max(abs(a - b) for a, b in zip(r.input_logprobs, cold[i], strict=True))
+        assert diff < TOL or diff > DIVERGED, f"hit{i}: |diff| {diff:.2e} neither exact nor broken"
+        out.append(diff > DIVERGED)
+    return out
+
+
+NB_CHUNKED_FLAGS = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule",
+                    "--chunked-prefill-size", str(CHUNK), "--random-seed", "0"]
+
+
+def test_half_strength_breaks_the_selected_hits_and_full_strength_all(demo_prompts,
+                                                                       engine_factory):
+    """deferred-ops-dropped@0.5: exactly the prefill hits whose prompts it selects diverge from a
+    cold recompute (some, not all); @1.0: every one."""
+    cold_eng = engine_factory(["--model-path", "hybrid-mamba2-tiny", "--disable-radix-cache",
+                               *NB_CHUNKED_FLAGS])
+    prompts = token_prompts(cold_eng.tok, demo_prompts)[:10]
+    seeds = [p[:80] for p in prompts]
+    hits = [p[:80 + 2 * CHUNK] for p in prompts]  # the rest after the hit is split into chunks
+    cold = [cold_eng.one(h, f"cold{i}", logprob_start_len=80).input_logprobs
+            for i, h in enumerate(hits)]
+    selected = [affects(Defect.DEFERRED_OPS_DROPPED, h, 0.5) for h in hits]
+    assert any(selected) and not all(selected), "pick prompts that split at strength 0.5"
+    assert _hit_divergence("0.5", seeds, hits, cold, engine_factory) == selected
+    assert all(_hit_divergence("1.0", seeds, hits, cold, engine_factory))

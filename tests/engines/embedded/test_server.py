@@ -557,6 +557,19 @@ def test_server_info_without_overlap_resolves_no_buffer(tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_server_info_reports_defect_strengths(tmp_path: Path):
+    port = free_port()
+    argv = embedded_command(port, ["--random-seed", "0", "--inject-defect", "snapshot-race@0.25"])
+    with EngineProcess(argv, port, env={**_env(), DEFECTS_ENV: "host-load-race"},
+                       log_path=tmp_path / "engine.log", startup_timeout=60.0) as eng, \
+            _client(eng) as c:
+        info = c.get("/server_info").json()
+        assert info["defects"] == ["snapshot-race", "host-load-race"]
+        assert info["defect_strengths"] == {"snapshot-race": 0.25, "host-load-race": 1.0}
+        assert info["internal_states"][0]["defect_strengths"] == info["defect_strengths"]
+
+
+@pytest.mark.slow
 def test_nextn_speculative_decoding_reports_acceptance(tmp_path: Path, long_prompt: str,
                                                        client: httpx.Client):
     with new_engine(tmp_path, ["--speculative-algorithm", "NEXTN"]) as eng, _client(eng) as c:
@@ -667,6 +680,8 @@ REFUSALS = [
     pytest.param(["--enable-hierarchical-cache", "--disable-radix-cache"],
                  ["enable-hierarchical-cache", "disable-radix-cache"], id="hicache-without-radix"),
     pytest.param(["--inject-defect", "nonsense"], ["nonsense"], id="unknown-defect-flag"),
+    pytest.param(["--inject-defect", "snapshot-race@1.5"], ["snapshot-race", "1.5", "--inject-defect"],
+                 id="bad-defect-strength"),
     pytest.param(["--model-path", "/nonexistent"], ["/nonexistent"], id="missing-model-path"),
 ]
 
