@@ -109,12 +109,12 @@ def resolve(schedule: Schedule) -> Target:
         return Target(f"{schedule.name}:embedded=={__version__}",
                       [BuildSpec(patches=[p for p in ps]) for ps in schedule.patch_sets])
     if src.git is not None:
-        from evalsvc.builds.build import BuildError, _git, _git_mirror
+        from evalsvc.builds.build import BuildError, git, git_mirror
 
         try:
-            mirror = _git_mirror(src.git.repository)
-            sha = _git(["rev-parse", "--verify", f"refs/heads/{src.git.branch}^{{commit}}"],
-                       mirror).stdout.strip()
+            mirror = git_mirror(src.git.repository)
+            sha = git(["rev-parse", "--verify", f"refs/heads/{src.git.branch}^{{commit}}"],
+                      mirror).stdout.strip()
         except BuildError as exc:
             raise NightlyError(f"schedule {schedule.name}: {exc}") from None
         source = f"git:{src.git.repository}@{sha}"

@@ -168,14 +168,18 @@ def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
 
 def _resolve_ref(source: Source) -> str | None:
     if source.kind == "git":
-        mirror = _git_mirror(source.location)
-        out = _git(["rev-parse", "--verify", "--quiet", f"{source.ref}^{{commit}}"], mirror,
-                   check=False)
-        if out.returncode != 0:
-            raise BuildError(f"source {source.label}: unknown commit {source.ref!r} in "
-                             f"{source.location}")
-        return out.stdout.strip()
+        return resolve_commit(source)[1]
     return source.ref
+
+
+def resolve_commit(source: Source) -> tuple[Path, str]:
+    """A git source's mirror and the full sha its commit (a short sha, branch or tag) names."""
+    mirror = git_mirror(source.location)
+    out = git(["rev-parse", "--verify", "--quiet", f"{source.ref}^{{commit}}"], mirror, check=False)
+    if out.returncode != 0:
+        raise BuildError(f"source {source.label}: unknown commit {source.ref!r} in "
+                         f"{source.location}")
+    return mirror, out.stdout.strip()
 
 
 def _fetch(source: Source, resolved: str | None, site: Path) -> None:
@@ -185,10 +189,10 @@ def _fetch(source: Source, resolved: str | None, site: Path) -> None:
             members = [m for m in zf.namelist() if m.startswith("sglang/") and m.endswith(".py")]
             zf.extractall(site, members)
     elif source.kind == "git":
-        mirror = _git_mirror(source.location)
+        mirror = git_mirror(source.location)
         with tempfile.TemporaryDirectory() as tmp:
             archive = Path(tmp) / "tree.tar"
-            _git(["archive", "--format=tar", "-o", str(archive), resolved], mirror)
+            git(["archive", "--format=tar", "-o", str(archive), resolved], mirror)
             shutil.unpack_archive(str(archive), tmp + "/tree")
             _copy_package(Path(tmp) / "tree", site, source.label)
     else:
@@ -258,7 +262,8 @@ def download_wheel(version: str) -> Path:
     return target
 
 
-def _git(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+def git(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """``git ARGS`` in ``cwd`` (no prompts); with ``check``, a BuildError when it fails."""
     proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     if check and proc.returncode != 0:
@@ -266,7 +271,7 @@ def _git(args: list[str], cwd: Path, check: bool = True) -> subprocess.Completed
     return proc
 
 
-def _git_mirror(location: str) -> Path:
+def git_mirror(location: str) -> Path:
     """A bare mirror of the repository under the builds cache, fetched on each use."""
     mirrors = cache_root() / "git"
     mirrors.mkdir(parents=True, exist_ok=True)
@@ -284,7 +289,7 @@ def _git_mirror(location: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         with contextlib.suppress(BuildError):
-            _git(["fetch", "--quiet", "--prune", "origin", "+refs/heads/*:refs/heads/*"], mirror)
+            git(["fetch", "--quiet", "--prune", "origin", "+refs/heads/*:refs/heads/*"], mirror)
     return mirror
 
 
