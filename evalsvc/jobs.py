@@ -158,35 +158,43 @@ class JobService:
                 "configs": body.configs, "model": body.model}
 
     def _check_build(self, engine: str, i: int, b: BuildSpec, trusted: bool) -> None:
+        from evalsvc.builds.build import BuildError, parse_source
+
         where = f"builds[{i}]"
-        if engine == "embedded":
-            if b.source is not None:
-                raise JobError(f"{where}.source: the embedded engine has no build source")
+        if engine == "embedded":  # source: git:REPO@COMMIT or path:DIR with evalsvc-engine.yaml
+            from evalsvc.builds.embedded import embedded_build, parse_embedded_source
+
             known = {f"defect:{d.value}" for d in Defect}
             for p in b.patches:
                 if p not in known:
                     raise JobError(f"{where}.patches: unknown {p!r} for the embedded engine "
                                    f"(known: {', '.join(sorted(known))})")
-            return
-        from evalsvc.builds.build import BuildError, parse_source
-        from evalsvc.builds.patches import PATCHES
+            parse = parse_embedded_source
+        else:
+            from evalsvc.builds.patches import PATCHES
 
-        for p in b.patches:
-            if p not in PATCHES:
-                raise JobError(f"{where}.patches: unknown patch {p!r} "
-                               f"(known: {', '.join(sorted(PATCHES))})")
-        if b.source is None:
-            if b.patches:
+            for p in b.patches:
+                if p not in PATCHES:
+                    raise JobError(f"{where}.patches: unknown patch {p!r} "
+                                   f"(known: {', '.join(sorted(PATCHES))})")
+            if b.source is None and b.patches:
                 raise JobError(f"{where}: patches need a source")
+            parse = parse_source
+        if b.source is None:
             return
         try:
-            parse_source(b.source)
+            parse(b.source)
         except BuildError as exc:
             raise JobError(f"{where}.source: {exc}") from None
         if not trusted and not any(fnmatch.fnmatchcase(b.source, pat)
                                    for pat in self.settings.allowed_sources):
             raise JobError(f"{where}.source: {b.source!r} is not an allowed build source "
                            f"(EVALSVC_ALLOWED_SOURCES: {', '.join(self.settings.allowed_sources)})")
+        if engine == "embedded":
+            try:  # the repository and commit exist, and the settings file there reads
+                embedded_build(b.source, b.patches)
+            except BuildError as exc:
+                raise JobError(f"{where}.source: {exc}") from None
 
     # ---- control ---------------------------------------------------------------------------
     def cancel(self, job_id: str) -> str | None:
@@ -329,15 +337,15 @@ class JobService:
         return "done", None
 
     def _prepare_build(self, base: EngineSpec, b: dict[str, Any]) -> tuple[EngineSpec, BuildRef]:
-        from evalsvc import __version__
-
         now = utcnow()
         if base.kind == "embedded":
-            defects = [p.split(":", 1)[1] for p in b["patches"]]
-            env = {"EVALSVC_ENGINE_DEFECTS": ",".join(defects)} if defects else {}
-            return (EngineSpec(kind="embedded", env=env),
-                    BuildRef("evalsvc/embedded", version=__version__, committed_at=now,
-                             patches=b["patches"]))
+            from evalsvc.builds.embedded import embedded_build
+
+            eb = embedded_build(b.get("source"), b["patches"])
+            return (EngineSpec(kind="embedded", env=eb.env),
+                    BuildRef(eb.repository, sha=eb.sha, version=eb.version,
+                             committed_at=eb.committed_at, patches=eb.patches,
+                             manifest=eb.manifest))
         if b["source"] is None:
             return (base, BuildRef("sgl-project/sglang", version=installed_version(base.python),
                                    committed_at=now))
