@@ -1,7 +1,10 @@
 """Nightly schedules (``configs/nightly.yaml``): each firing evaluates the newest commit or release.
 
 A schedule names a cron expression, a tracked source (a git remote and branch, PyPI releases of a
-package, or this project's embedded engine), a matrix and up to two patch sets. Firing resolves the
+package, or this project's embedded engine), a matrix and up to two patch sets, and optionally the
+matrix's configs to run and overrides of its workload. A git source serves an SGLang matrix (the
+commit's SGLang package) and an embedded one alike (the commit's ``evalsvc-engine.yaml``, see
+``evalsvc/builds/embedded.py``); the matrix's engine decides. Firing resolves the
 newest commit or version, skips it if a nightly job already covers it, and otherwise submits a job
 with trigger ``nightly``. The service runs the schedules with APScheduler; ``evalsvc nightly
 --once`` fires them all once from the command line.
@@ -67,6 +70,8 @@ class Schedule(BaseModel):
     enabled: bool = True
     patch_sets: list[list[str]] = Field(default_factory=lambda: [[]], min_length=1, max_length=2)
     priority: int = 0
+    configs: list[str] | None = None  # only these configs of the matrix
+    workload: dict[str, Any] | None = None  # overrides of the matrix workload
 
 
 class NightlyFile(BaseModel):
@@ -150,7 +155,8 @@ def fire(schedule: Schedule, jobs: JobService, store: Store) -> str | None:
     if evaluated(store, target.key):
         log.info("nightly %s: %s already evaluated", schedule.name, target.key)
         return None
-    body = JobCreate(matrix=schedule.matrix, builds=target.builds, priority=schedule.priority)
+    body = JobCreate(matrix=schedule.matrix, builds=target.builds, priority=schedule.priority,
+                     configs=schedule.configs, workload=schedule.workload)
     job_id = jobs.submit(body, trigger="nightly", extra={"nightly_key": target.key}, trusted=True)
     log.info("nightly %s: submitted job %s for %s", schedule.name, job_id, target.key)
     return job_id

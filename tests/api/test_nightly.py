@@ -5,6 +5,8 @@ registers the enabled schedules on their crons; bad schedule files are refused n
 from __future__ import annotations
 
 import re
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,12 @@ from typer.testing import CliRunner
 
 from evalsvc.cli import app as cli
 from evalsvc.dispatch.local import LocalDispatcher
+from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs import JobService
-from evalsvc.nightly import NightlyError, NightlyScheduler, load_schedules
+from evalsvc.nightly import NightlyError, NightlyScheduler, Schedule, fire, load_schedules
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
-from evalsvc.store.models import Job
+from evalsvc.store.models import Job, Run
 from tests.builds.test_build import git
 
 FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
@@ -159,3 +162,89 @@ def test_once_reports_a_schedule_it_cannot_resolve(env, tmp_path, monkeypatch):
     assert res.exit_code == 0
     assert "gone: error:" in res.output and "no-such-repo" in res.output
     assert nightly_jobs(env) == []
+
+
+@pytest.fixture
+def settings_repo(tmp_path) -> Path:
+    """A git repository carrying the embedded engine's settings file, branch main."""
+    root = tmp_path / "engine-settings"
+    root.mkdir()
+    (root / "evalsvc-engine.yaml").write_text("defects:\n  snapshot-race: 1.0\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "snapshot-race on")
+    return root
+
+
+def embedded_git_schedule(repo: Path) -> Schedule:
+    return Schedule.model_validate({
+        "name": "embedded-git", "cron": "0 1 * * *", "matrix": "smoke",
+        "source": {"git": {"repository": str(repo), "branch": "main"}},
+        "patch_sets": [[], ["defect:host-load-race"]],
+        "configs": ["mamba2-eb-ov-c64"], "workload": {"num_prompts": 4, "max_new_tokens": 8}})
+
+
+def test_a_git_source_serves_an_embedded_matrix_with_configs_and_workload(env, settings_repo):
+    settings = Settings()
+    store = Store(settings.resolved_database_url())
+    jobs = JobService(settings, store, LocalDispatcher(1))
+    try:
+        job_id = fire(embedded_git_schedule(settings_repo), jobs, store)
+        assert job_id is not None
+        with store.session() as s:
+            spec = s.get(Job, job_id).spec
+        head = git(settings_repo, "rev-parse", "HEAD")
+        assert spec["engine"] == "embedded" and spec["matrix_name"] == "smoke"
+        assert [b["source"] for b in spec["builds"]] == [f"git:{settings_repo}@{head}"] * 2
+        assert [b["patches"] for b in spec["builds"]] == [[], ["defect:host-load-race"]]
+        assert spec["configs"] == ["mamba2-eb-ov-c64"]
+        assert spec["matrix"]["workload"]["num_prompts"] == 4
+        assert spec["matrix"]["workload"]["max_new_tokens"] == 8
+        # the builds the job will run: the commit's settings, then the patch on top
+        envs, refs = zip(*(jobs._prepare_build(EngineSpec(kind="embedded"), b)
+                           for b in spec["builds"]), strict=True)
+        assert [e.env for e in envs] == [{"EVALSVC_ENGINE_DEFECTS": "snapshot-race"},
+                                         {"EVALSVC_ENGINE_DEFECTS": "snapshot-race,host-load-race"}]
+        assert {r.sha for r in refs} == {head}
+        assert fire(embedded_git_schedule(settings_repo), jobs, store) is None  # evaluated
+    finally:
+        jobs.dispatcher.shutdown()
+        store.close()
+
+
+@pytest.mark.slow
+def test_a_nightly_embedded_git_job_runs_the_commits_settings(env, settings_repo, tmp_path):
+    """End to end: the nightly job's engines run with the commit's defects, and its runs are
+    recorded on the commit (full sha, committer date)."""
+    settings = Settings()
+    store = Store(settings.resolved_database_url())
+    jobs = JobService(settings, store, LocalDispatcher(1))
+    try:
+        job_id = fire(embedded_git_schedule(settings_repo), jobs, store)
+        jobs.start()
+        deadline = time.monotonic() + 300
+        while True:
+            with store.session() as s:
+                job = s.get(Job, job_id)
+                if job.status not in ("queued", "running"):
+                    break
+            assert time.monotonic() < deadline, "the nightly job did not finish"
+            time.sleep(0.5)
+        assert (job.status, job.error) == ("done", None)
+        head = git(settings_repo, "rev-parse", "HEAD")
+        stamp = git(settings_repo, "show", "-s", "--format=%cI", "HEAD")
+        with store.session() as s:
+            runs = s.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id)).all()
+            assert [r.status for r in runs] == ["done", "done"]
+            for run in runs:
+                commit = run.build.commit
+                assert (commit.sha, commit.repository) == (head, str(settings_repo))
+                assert commit.committed_at.replace(tzinfo=UTC) == datetime.fromisoformat(stamp)
+            assert [r.build.patch_set for r in runs] == ["", "defect:host-load-race"]
+        logs = sorted((settings.data_dir / "logs" / job_id).rglob("*.log"))
+        assert len(logs) == 2
+        assert "defects switched on: snapshot-race\n" in logs[0].read_text()
+        assert "defects switched on: snapshot-race, host-load-race\n" in logs[1].read_text()
+    finally:
+        jobs.stop()
+        store.close()
