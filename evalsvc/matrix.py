@@ -70,16 +70,22 @@ class WorkloadSpec(Strict):
     num_prompts: int = Field(8, ge=1, le=100_000)
     max_new_tokens: int = Field(32, ge=1, le=65_536)
     temperature: float = Field(1.0, ge=0.0)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)  # which prompts, and the sampling seed unless sampling_seed is set
+    # the sampling seed alone: runs that differ only in it are samples of the same thing, so it is
+    # left out of the workload version (and the fingerprint)
+    sampling_seed: int | None = Field(None, ge=0)
     # shared system prefix for branching (0: derived from the prompts)
     prefix_tokens: int = Field(0, ge=0)
 
 
 class Thresholds(Strict):
-    kl_k3_mean: float = 1e-3
-    min_hit_coverage: dict[str, float] = Field(default_factory=lambda: {
-        "prefill_hit": 0.5, "decode_hit": 0.5, "branching": 0.5, "host_tier": 0.5,
-        "speculative": 0.0, "cold": 0.0})
+    """A matrix's own thresholds, applied after ``configs/thresholds.yaml`` (for inline matrices);
+    see ``evalsvc.thresholds`` for the fields."""
+
+    kl_k3_mean: float | dict[str, float | None] | None = None
+    accept_length: float | dict[str, float | None] | None = None
+    min_hit_coverage: float | dict[str, float] | None = None
+    bit_exact: bool | None = None
 
 
 class ReferenceSpec(Strict):

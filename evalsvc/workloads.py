@@ -142,7 +142,8 @@ def _json_array_head(path: Path, limit: int) -> list[dict]:
 
 def workload_version(spec: WorkloadSpec, prompts: list[Prompt]) -> str:
     """A hash of the workload definition and the prompts it produced."""
-    h = hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(spec.model_dump(exclude={"sampling_seed"}), sort_keys=True)
+                       .encode())
     for p in prompts:
         h.update(p.id.encode() + b"\0" + p.text.encode() + b"\0")
     return h.hexdigest()[:12]

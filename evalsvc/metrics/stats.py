@@ -196,3 +196,68 @@ def paired_difference_cis(
         for j, i in enumerate(indices):
             out[i] = (float(means[j]), float(low[j]), float(high[j]))
     return out
+
+
+def welch_difference(contender: np.ndarray | Sequence[float], baseline: np.ndarray | Sequence[float],
+                     confidence: float = 0.999) -> tuple[float, float, float, float]:
+    """Welch's interval on mean(contender) - mean(baseline) for independent samples:
+    ``(diff, low, high, p_value)`` (two-sided ``confidence``; p of "no difference"), input units.
+
+    Each input holds one value per independent sample (a prompt's mean per-token KL, say), n >= 2
+    each. Welch's t does not assume equal variances and is honest for small n, where the
+    percentile bootstrap under-covers. Zero variance on both sides gives a zero-width interval.
+    """
+    a = _as_finite_vector(contender, "contender")
+    b = _as_finite_vector(baseline, "baseline")
+    if a.size < 2 or b.size < 2:
+        raise ValueError(f"welch_difference needs >= 2 samples a side, got {a.size} and {b.size}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    from scipy import stats as sps
+
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    diff = float(a.mean() - b.mean())
+    se = float(np.sqrt(va + vb))
+    if se == 0.0:
+        return diff, diff, diff, 0.0 if diff != 0.0 else 1.0
+    df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
+    half = float(sps.t.ppf(0.5 + confidence / 2.0, df)) * se
+    p = float(2.0 * sps.t.sf(abs(diff) / se, df))
+    return diff, diff - half, diff + half, p
+
+
+def change_point(series: np.ndarray | Sequence[float], permutations: int = 1999, seed: int = 0,
+                 min_segment: int = 2) -> dict[str, float | int] | None:
+    """The most likely single shift in the mean of a series, with a permutation p-value.
+
+    For each split k (both segments at least ``min_segment`` long) the statistic is
+    ``|mean(x[k:]) - mean(x[:k])| * sqrt(k (n - k) / n)``; its maximum over k is compared with the
+    maxima of ``permutations`` shuffles of the series (``default_rng(seed)``), so the p-value needs
+    no distributional assumption beyond exchangeable values under no change. Returns ``{"index": k
+    (first value after the shift), "before", "after" (segment means), "statistic", "p_value"}``, or
+    None for a series too short to split or with no variation at all.
+    """
+    x = _as_finite_vector(series, "series")
+    n = x.size
+    if n < 2 * min_segment or float(np.ptp(x)) == 0.0:
+        return None
+    rng = np.random.default_rng(seed)
+    perms = np.stack([x] + [rng.permutation(x) for _ in range(permutations)])
+    stats = _split_statistics(perms, min_segment)
+    best = int(np.argmax(stats[0]))
+    observed = stats[0, best]
+    exceed = int(np.sum(stats[1:].max(axis=1) >= observed - 1e-12 * abs(observed)))
+    k = best + min_segment
+    return {"index": k, "before": float(x[:k].mean()), "after": float(x[k:].mean()),
+            "statistic": float(observed), "p_value": (1 + exceed) / (1 + permutations)}
+
+
+def _split_statistics(x: np.ndarray, min_segment: int) -> np.ndarray:
+    """Per row of ``x`` (shape ``(m, n)``), the split statistic of ``change_point`` for
+    k = min_segment .. n - min_segment: shape ``(m, n - 2 min_segment + 1)``."""
+    n = x.shape[1]
+    k = np.arange(min_segment, n - min_segment + 1)
+    csum = np.cumsum(x, axis=1)
+    left = csum[:, k - 1] / k
+    right = (csum[:, -1:] - csum[:, k - 1]) / (n - k)
+    return np.abs(right - left) * np.sqrt(k * (n - k) / n)
