@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import func, select
 
+from evalsvc.alerts import collect, deliver
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.defects import Defect
@@ -41,6 +42,7 @@ from evalsvc.store.record import (
     record_run,
     write_samples_parquet,
 )
+from evalsvc.verdicts import judge_run, track
 
 log = logging.getLogger("evalsvc.jobs")
 ACTIVE = ("queued", "running")
@@ -73,6 +75,8 @@ class JobCreate(BaseModel):
     reference: dict[str, Any] | None = Field(None, description="reference override")
     configs: list[str] | None = Field(None, description="only these configs of the matrix")
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")
+    track: bool = Field(False, description="open and close regressions (and alert) from this "
+                                           "job's verdicts, as nightly jobs do")
 
 
 @dataclass
@@ -155,7 +159,7 @@ class JobService:
                            "(EVALSVC_ENGINE_PYTHON)")
         return {"matrix_name": matrix.name, "matrix": matrix.model_dump(mode="json"),
                 "engine": engine, "builds": [b.model_dump() for b in builds],
-                "configs": body.configs, "model": body.model}
+                "configs": body.configs, "model": body.model, "track": body.track}
 
     def _check_build(self, engine: str, i: int, b: BuildSpec, trusted: bool) -> None:
         from evalsvc.builds.build import BuildError, parse_source
@@ -216,6 +220,7 @@ class JobService:
 
     def start(self) -> None:
         self.recover()
+        self.deliver_alerts()
         self._thread = threading.Thread(target=self._loop, name="job-runner", daemon=True)
         self._thread.start()
 
@@ -268,6 +273,7 @@ class JobService:
             with self._lock:
                 self._cancelled.discard(job_id)
             log.info("job %s %s", job_id, status)
+            self._alert(job_id)
 
     def _next_job(self) -> str | None:
         with self.store.session() as s:
@@ -375,9 +381,23 @@ class JobService:
         path = write_samples_parquet(result, self.settings.results_dir() / job_id
                                      / f"{run_id}.parquet")
         self.counters.run_seconds.append(result.seconds)
-        with self.store.session() as s:
+        with self.store.session() as s:  # the run and its verdicts in one transaction
             run = s.get(Run, run_id)
             record_run(s, run.job, run.build, run.matrix, result, path)
+            verdicts = judge_run(s, run.id)
+            if run.job.spec.get("track"):
+                track(s, run, verdicts)
+
+    def _alert(self, job_id: str) -> None:
+        try:
+            with self.store.session() as s:
+                collect(s, job_id, self.settings.public_url)
+            self.deliver_alerts()
+        except Exception:  # an alert that cannot be made or sent never fails the job
+            log.exception("job %s: alerts", job_id)
+
+    def deliver_alerts(self) -> int:
+        return deliver(self.store, self.settings.alert_webhook)
 
     def _is_cancelled(self, job_id: str) -> bool:
         with self._lock:

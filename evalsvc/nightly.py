@@ -156,7 +156,7 @@ def fire(schedule: Schedule, jobs: JobService, store: Store) -> str | None:
         log.info("nightly %s: %s already evaluated", schedule.name, target.key)
         return None
     body = JobCreate(matrix=schedule.matrix, builds=target.builds, priority=schedule.priority,
-                     configs=schedule.configs, workload=schedule.workload)
+                     configs=schedule.configs, workload=schedule.workload, track=True)
     job_id = jobs.submit(body, trigger="nightly", extra={"nightly_key": target.key}, trusted=True)
     log.info("nightly %s: submitted job %s for %s", schedule.name, job_id, target.key)
     return job_id

@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     allowed_sources: Annotated[list[str], NoDecode] = ["sglang==*", "pypi:*"]
     nightly_file: Path | None = None  # default: configs/nightly.yaml
     nightly: bool = True  # run the nightly schedules inside the service
+    alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
+    public_url: str | None = None  # the dashboard's address, for links in alerts
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

@@ -189,3 +189,102 @@ class GoldenRun(Base):
     label: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     run: Mapped[Run] = relationship()
+
+
+class Verdict(Base):
+    """One metric of one scenario of a run, judged: against fixed limits, the fingerprint's
+    history (an interval on the difference) or a change point along its series, with the
+    evidence."""
+
+    __tablename__ = "verdicts"
+    __table_args__ = (UniqueConstraint("run_id", "scenario", "metric"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    scenario: Mapped[str] = mapped_column(String(40))
+    metric: Mapped[str] = mapped_column(String(80))
+    verdict: Mapped[str] = mapped_column(String(20))  # pass regression improvement inconclusive
+    method: Mapped[str] = mapped_column(String(20))  # coverage threshold bit_exact history change_point
+    value: Mapped[float | None] = mapped_column(Float)
+    baseline: Mapped[float | None] = mapped_column(Float)  # mean of the baseline runs' values
+    diff_low: Mapped[float | None] = mapped_column(Float)  # interval on contender - baseline
+    diff_high: Mapped[float | None] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float)  # the limit or effect size it was held to
+    p_value: Mapped[float | None] = mapped_column(Float)
+    evidence: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    reason: Mapped[str | None] = mapped_column(Text)
+    run: Mapped[Run] = relationship()
+
+
+class Regression(Base):
+    """An open question for people: a series (fingerprint, patch set, scenario, metric) that
+    regressed, from the run that first showed it until a later run passes again; triaged as
+    acknowledged, expected or fixed."""
+
+    __tablename__ = "regressions"
+    __table_args__ = (Index("ix_regressions_series", "fingerprint", "patch_set", "scenario",
+                            "metric"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    patch_set: Mapped[str] = mapped_column(String(500), default="")
+    scenario: Mapped[str] = mapped_column(String(40))
+    metric: Mapped[str] = mapped_column(String(80))
+    config: Mapped[str] = mapped_column(String(200))
+    matrix: Mapped[str] = mapped_column(String(100))
+    state: Mapped[str] = mapped_column(String(20), index=True)  # open | resolved
+    first_run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    last_run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    last_good_run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    resolved_run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    runs_seen: Mapped[int] = mapped_column(Integer, default=1)
+    triage: Mapped[str | None] = mapped_column(String(20))  # acknowledged | expected | fixed
+    comment: Mapped[str | None] = mapped_column(Text)
+    triaged_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    opened_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    first_run: Mapped[Run] = relationship(foreign_keys=[first_run_id])
+    last_run: Mapped[Run] = relationship(foreign_keys=[last_run_id])
+    last_good_run: Mapped[Run | None] = relationship(foreign_keys=[last_good_run_id])
+    resolved_run: Mapped[Run | None] = relationship(foreign_keys=[resolved_run_id])
+
+
+class Alert(Base):
+    """A webhook message about the regressions a job opened (``appeared``) or closed
+    (``resolved``): at most one of each kind per job, whatever restarts or retries happen."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (UniqueConstraint("job_id", "kind"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(20))  # appeared | resolved
+    regression_ids: Mapped[list[int]] = mapped_column(JSON)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class Bisection(Base):
+    """A search for the first bad commit of a git repository between a good and a bad one, running
+    one config on midpoints."""
+
+    __tablename__ = "bisections"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    repository: Mapped[str] = mapped_column(String(500))
+    good: Mapped[str] = mapped_column(String(64))
+    bad: Mapped[str] = mapped_column(String(64))
+    matrix: Mapped[str] = mapped_column(String(100))
+    config: Mapped[str] = mapped_column(String(200))
+    scenario: Mapped[str] = mapped_column(String(40))
+    metric: Mapped[str | None] = mapped_column(String(80))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # the job body of each step
+    status: Mapped[str] = mapped_column(String(20), index=True)  # queued running done failed
+    candidates: Mapped[list[str] | None] = mapped_column(JSON)  # good exclusive .. bad inclusive
+    steps: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    first_bad: Mapped[str | None] = mapped_column(String(64))
+    runs_used: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    regression_id: Mapped[int | None] = mapped_column(ForeignKey("regressions.id",
+                                                                 ondelete="SET NULL"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -9,7 +9,21 @@ from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from evalsvc.metrics import paired_difference_cis
-from evalsvc.store.models import Build, Commit, GoldenRun, Job, Metric, Run, Sample, ScenarioRow
+from evalsvc.store.models import (
+    Alert,
+    Bisection,
+    Build,
+    Commit,
+    GoldenRun,
+    Job,
+    Metric,
+    Regression,
+    Run,
+    Sample,
+    ScenarioRow,
+    Verdict,
+    utcnow,
+)
 
 SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length"}
 
@@ -166,7 +180,85 @@ def run_detail(session: Session, run_id: int) -> dict[str, Any] | None:
             "patch_set": run.build.patch_set,
             "scenarios": [{"scenario": s.scenario, "verdict": s.verdict, "reason": s.reason,
                            "seconds": s.seconds, "metrics": metrics.get(s.scenario, {})}
-                          for s in run.scenarios]}
+                          for s in run.scenarios],
+            "verdicts": run_verdicts(session, run_id)}
+
+
+def verdict_dict(v: Verdict) -> dict[str, Any]:
+    return {"scenario": v.scenario, "metric": v.metric, "verdict": v.verdict,
+            "method": v.method, "value": v.value, "baseline": v.baseline,
+            "diff_low": v.diff_low, "diff_high": v.diff_high, "threshold": v.threshold,
+            "p_value": v.p_value, "evidence": v.evidence, "reason": v.reason}
+
+
+def run_verdicts(session: Session, run_id: int) -> list[dict[str, Any]]:
+    """A run's verdicts per scenario and metric, with their evidence."""
+    return [verdict_dict(v) for v in session.scalars(
+        select(Verdict).where(Verdict.run_id == run_id).order_by(Verdict.id))]
+
+
+def _run_brief(run: Run | None) -> dict[str, Any] | None:
+    if run is None:
+        return None
+    commit = run.build.commit
+    return {"id": run.id, "job_id": run.job_id, "commit": commit.ref, "sha": commit.sha,
+            "committed_at": commit.committed_at}
+
+
+def regression_dict(session: Session, r: Regression) -> dict[str, Any]:
+    v = session.scalars(select(Verdict).where(Verdict.run_id == r.first_run_id,
+                                              Verdict.scenario == r.scenario,
+                                              Verdict.metric == r.metric)).first()
+    return {"id": r.id, "state": r.state, "config": r.config, "matrix": r.matrix,
+            "fingerprint": r.fingerprint, "patch_set": r.patch_set, "scenario": r.scenario,
+            "metric": r.metric, "runs_seen": r.runs_seen, "opened_at": r.opened_at,
+            "resolved_at": r.resolved_at, "triage": r.triage, "comment": r.comment,
+            "triaged_at": r.triaged_at, "first_run": _run_brief(r.first_run),
+            "last_run": _run_brief(r.last_run), "last_good_run": _run_brief(r.last_good_run),
+            "resolved_run": _run_brief(r.resolved_run),
+            "evidence": verdict_dict(v) if v is not None else None}
+
+
+def regressions(session: Session, state: str | None = None, limit: int = 200
+                ) -> list[dict[str, Any]]:
+    """Regressions, open first, newest first."""
+    q = select(Regression)
+    if state:
+        q = q.where(Regression.state == state)
+    q = q.order_by((Regression.state == "open").desc(), Regression.opened_at.desc(),
+                   Regression.id.desc()).limit(limit)
+    return [regression_dict(session, r) for r in session.scalars(q)]
+
+
+def triage_regression(session: Session, regression_id: int, triage: str | None,
+                      comment: str | None) -> Regression:
+    r = session.get(Regression, regression_id)
+    if r is None:
+        raise KeyError(f"no regression {regression_id}")
+    r.triage, r.comment, r.triaged_at = triage, comment, utcnow()
+    session.flush()
+    return r
+
+
+def bisection_dict(b: Bisection) -> dict[str, Any]:
+    return {"id": b.id, "status": b.status, "repository": b.repository, "good": b.good,
+            "bad": b.bad, "matrix": b.matrix, "config": b.config, "scenario": b.scenario,
+            "metric": b.metric, "candidates": b.candidates, "steps": b.steps,
+            "first_bad": b.first_bad, "runs_used": b.runs_used, "error": b.error,
+            "regression_id": b.regression_id, "created_at": b.created_at,
+            "finished_at": b.finished_at}
+
+
+def bisections(session: Session, limit: int = 100) -> list[dict[str, Any]]:
+    return [bisection_dict(b) for b in session.scalars(
+        select(Bisection).order_by(Bisection.created_at.desc()).limit(limit))]
+
+
+def alerts(session: Session, limit: int = 100) -> list[dict[str, Any]]:
+    return [{"id": a.id, "job_id": a.job_id, "kind": a.kind, "regression_ids": a.regression_ids,
+             "text": a.payload.get("text"), "created_at": a.created_at,
+             "delivered_at": a.delivered_at, "attempts": a.attempts, "error": a.error}
+            for a in session.scalars(select(Alert).order_by(Alert.id.desc()).limit(limit))]
 
 
 def set_golden(session: Session, run_id: int, label: str | None = None) -> GoldenRun:

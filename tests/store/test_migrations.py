@@ -30,15 +30,16 @@ def tables(url: str, engines: list) -> set[str]:
 
 
 def test_model_tables():
-    assert sorted(MODEL_TABLES) == ["builds", "commits", "golden_runs", "jobs", "metrics", "runs",
-                                    "samples", "scenarios"]
+    assert sorted(MODEL_TABLES) == ["alerts", "bisections", "builds", "commits", "golden_runs",
+                                    "jobs", "metrics", "regressions", "runs", "samples",
+                                    "scenarios", "verdicts"]
 
 
 def test_upgrade_to_head_and_downgrade_to_base(db_url, engines):
     assert current(db_url) is None
     assert tables(db_url, engines) == set()
     upgrade(db_url)
-    assert current(db_url) == head(db_url) == "0002"
+    assert current(db_url) == head(db_url) == "0003"
     assert tables(db_url, engines) == MODEL_TABLES
     upgrade(db_url)  # at head already: nothing to do
     assert current(db_url) == head(db_url)

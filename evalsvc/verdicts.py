@@ -1,0 +1,346 @@
+"""Verdicts: each metric of each scenario of a run, judged, with its evidence; regressions opened
+and closed from them.
+
+A metric is judged in this order, and the first rule that decides wins:
+
+1. coverage: a scenario that did not hit the cache as much as its limit asks is ``inconclusive``,
+   never a pass;
+2. fixed limits (``configs/thresholds.yaml``): bit-exactness under deterministic inference, the KL
+   maximum, the acceptance floor;
+3. history: the contender's per-sample values against those of the fingerprint's earlier runs
+   (same patch set, before it in commit order, not themselves flagged), Welch's interval on the
+   difference of means; a regression needs the interval to exclude no change (statistically
+   clear) and the difference to exceed the effect floor (large enough to matter); an improvement
+   the same the other way;
+4. change point: the series of per-run values, the contender last, searched for one lasting shift
+   in the mean (a permutation test); a significant shift of at least the effect floor in the bad
+   direction, with the contender after it, is a regression too.
+
+KL (higher is worse) and acceptance length (lower is worse) are judged on their own: an unchanged
+KL says nothing about an MTP config's acceptance.
+
+Regressions are tracked per series (fingerprint, patch set, scenario, metric) for jobs that ask
+for it (nightly): the first flagged run opens one, later flagged runs extend it, and the next run
+that passes closes it. Only the newest run of a series moves it, so bisection steps on older
+commits never do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+from sqlalchemy import and_, delete, or_, select
+from sqlalchemy.orm import Session
+
+from evalsvc.harness import worst
+from evalsvc.metrics.stats import change_point, welch_difference
+from evalsvc.store.models import (
+    Build,
+    Commit,
+    Metric,
+    Regression,
+    Run,
+    Sample,
+    Verdict,
+    utcnow,
+)
+from evalsvc.thresholds import HistorySettings, Limits, ThresholdsFile, limits_for, load_thresholds
+
+log = logging.getLogger("evalsvc.verdicts")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+# metric -> +1 when higher is worse, -1 when lower is worse
+METRICS = {"kl_k3_mean": 1, "accept_length": -1}
+LABELS = {"kl_k3_mean": "mean KL (k3)", "accept_length": "accept length"}
+
+
+@dataclass
+class Judgement:
+    scenario: str
+    metric: str
+    verdict: str  # pass | regression | improvement | inconclusive
+    method: str  # coverage | threshold | bit_exact | history | change_point
+    value: float | None = None
+    baseline: float | None = None
+    diff_low: float | None = None
+    diff_high: float | None = None
+    threshold: float | None = None
+    p_value: float | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass
+class Series:
+    """A series' earlier runs that form the baseline, oldest first."""
+
+    run_ids: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)  # the scenario's metric per run
+    samples: list[np.ndarray] = field(default_factory=list)  # per-sample values per run
+
+
+def judge_metric(scenario: str, metric: str, value: float | None, samples: np.ndarray,
+                 limits: Limits, history: Series, settings: HistorySettings, *,
+                 coverage: float | None = None, exact_fraction: float | None = None
+                 ) -> Judgement | None:
+    """One metric of one scenario; None when the scenario has no such metric."""
+    if value is None:
+        return None
+    sign = METRICS[metric]
+    label = LABELS[metric]
+    j = Judgement(scenario, metric, "pass", "threshold", value=value)
+    need = limits.min_hit_coverage
+    if coverage is not None and (coverage < need or (need > 0 and coverage == 0)):
+        j.verdict, j.method, j.threshold = "inconclusive", "coverage", need
+        j.evidence = {"hit_coverage": coverage}
+        j.reason = f"hit coverage {coverage:.2f} below {need:.2f}: the cache path was not exercised"
+        return j
+    lim = getattr(limits, metric)
+    if metric == "kl_k3_mean" and limits.bit_exact:
+        exact = 1.0 if exact_fraction is None else exact_fraction
+        j.method, j.threshold, j.evidence = "bit_exact", 0.0, {"bit_exact_fraction": exact}
+        if value > 0 or exact < 1.0:
+            j.verdict = "regression"
+            j.reason = (f"not bit-exact under deterministic inference: {label} {value:.3g}, "
+                        f"{exact:.1%} of tokens exact")
+            return j
+    elif sign > 0 and lim.max is not None and value > lim.max:
+        j.verdict, j.threshold = "regression", lim.max
+        j.reason = f"{label} {value:.3g} above the limit {lim.max:.3g}"
+        return j
+    elif sign < 0 and lim.min is not None and scenario == "speculative" and value < lim.min:
+        j.verdict, j.threshold = "regression", lim.min
+        j.reason = f"{label} {value:.3f} below the floor {lim.min:.3f}"
+        return j
+    if j.method == "threshold":
+        j.threshold = lim.max if sign > 0 else lim.min
+    return _judge_history(j, samples, limits, history, settings)
+
+
+def _judge_history(j: Judgement, samples: np.ndarray, limits: Limits, history: Series,
+                   settings: HistorySettings) -> Judgement:
+    sign, label = METRICS[j.metric], LABELS[j.metric]
+    base_runs = history.run_ids[-settings.window:]
+    j.evidence["history_runs"] = len(history.run_ids)
+    if len(base_runs) < settings.min_runs:
+        j.evidence["history"] = f"{len(base_runs)} earlier run(s), {settings.min_runs} needed"
+        return j
+    base = np.concatenate(history.samples[-settings.window:])
+    if samples.size < 2 or base.size < 2:
+        j.evidence["history"] = f"too few samples ({samples.size} against {base.size})"
+        return j
+    diff, low, high, p = welch_difference(samples, base, settings.confidence)
+    floor = limits.effect_floor(j.metric, float(base.mean()))
+    j.method, j.baseline = "history", float(np.mean(history.values[-settings.window:]))
+    j.diff_low, j.diff_high, j.threshold, j.p_value = low, high, floor, p
+    j.evidence.update({"baseline_runs": base_runs, "n": int(samples.size),
+                       "n_baseline": int(base.size), "confidence": settings.confidence,
+                       "test": "welch", "diff": diff})
+    worse_low, worse_high = (low, high) if sign > 0 else (-high, -low)
+    worse = sign * diff
+    if worse_low > 0 and worse > floor:
+        j.verdict = "regression"
+        j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g} over {len(base_runs)} "
+                    f"earlier runs: difference [{low:.3g}, {high:.3g}] at "
+                    f"{settings.confidence:.1%}, a change beyond the effect floor {floor:.3g}")
+        return j
+    if worse_high < 0 and -worse > floor:
+        j.verdict = "improvement"
+        j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g}: difference "
+                    f"[{low:.3g}, {high:.3g}]")
+        return j
+    series = [*history.values[-(settings.change_point_window - 1):], j.value]
+    if len(series) >= settings.change_point_min_runs:
+        cp = change_point(series, permutations=settings.permutations)
+        if cp is not None:
+            shift = cp["after"] - cp["before"]
+            floor_cp = limits.effect_floor(j.metric, cp["before"])
+            offset = len(history.values) - (len(series) - 1)  # series[0] is values[offset]
+            first = (history.run_ids[offset + cp["index"]] if cp["index"] < len(series) - 1
+                     else None)  # None: the contender itself
+            j.evidence["change_point"] = {**cp, "first_run_id": first}
+            if cp["p_value"] <= settings.change_point_alpha and sign * shift > floor_cp:
+                j.verdict, j.method, j.p_value, j.threshold = ("regression", "change_point",
+                                                               cp["p_value"], floor_cp)
+                j.reason = (f"{label} shifted from {cp['before']:.4g} to {cp['after']:.4g} "
+                            f"{len(series) - cp['index']} runs ago (p = {cp['p_value']:.2g})")
+    return j
+
+
+# ---- the store side --------------------------------------------------------------------------
+
+def order_key(run: Run) -> tuple:
+    return (run.build.commit.committed_at or EPOCH, run.finished_at or run.created_at, run.id)
+
+
+def _series_query(run: Run):
+    return (select(Run).join(Build, Run.build_id == Build.id)
+            .join(Commit, Build.commit_id == Commit.id)
+            .where(Run.fingerprint == run.fingerprint, Build.patch_set == run.build.patch_set,
+                   Run.status == "done", Run.id != run.id))
+
+
+def _before(run: Run):
+    """Runs before this one in commit order, then finish time, then id."""
+    committed = run.build.commit.committed_at
+    finished = run.finished_at or run.created_at
+    return or_(Commit.committed_at < committed,
+               and_(Commit.committed_at == committed,
+                    or_(Run.finished_at < finished,
+                        and_(Run.finished_at == finished, Run.id < run.id))))
+
+
+def earlier_runs(session: Session, run: Run, limit: int) -> list[Run]:
+    """Done runs of the run's fingerprint and patch set before it, newest first."""
+    q = (_series_query(run).where(_before(run))
+         .order_by(Commit.committed_at.desc(), Run.finished_at.desc(), Run.id.desc())
+         .limit(limit))
+    return list(session.scalars(q))
+
+
+def newest_in_series(session: Session, run: Run) -> bool:
+    return session.scalars(_series_query(run).where(~_before(run)).limit(1)).first() is None
+
+
+def baseline_series(session: Session, run: Run, candidates: list[Run], scenario: str,
+                    metric: str) -> Series:
+    """The baseline of one series from the earlier runs (newest first): runs flagged for this
+    scenario and metric are left out, unless a regression triaged as expected made them the new
+    normal (then nothing before that regression counts)."""
+    expected = session.scalars(
+        select(Regression).where(Regression.fingerprint == run.fingerprint,
+                                 Regression.patch_set == run.build.patch_set,
+                                 Regression.scenario == scenario, Regression.metric == metric,
+                                 Regression.triage == "expected")
+        .order_by(Regression.opened_at.desc()).limit(1)).first()
+    start = order_key(expected.first_run) if expected is not None else None
+    ids = [r.id for r in candidates]
+    flagged = set(session.scalars(select(Verdict.run_id).where(
+        Verdict.run_id.in_(ids), Verdict.scenario == scenario, Verdict.metric == metric,
+        Verdict.verdict == "regression")))
+    keep = [r for r in candidates if (start is not None and order_key(r) >= start)
+            or (start is None and r.id not in flagged)]
+    keep.reverse()  # oldest first
+    values = dict(session.execute(select(Metric.run_id, Metric.value).where(
+        Metric.run_id.in_([r.id for r in keep]), Metric.scenario == scenario,
+        Metric.name == metric)).all())
+    per_run: dict[int, list[float]] = {}
+    for run_id, v in session.execute(select(Sample.run_id, getattr(Sample, metric)).where(
+            Sample.run_id.in_([r.id for r in keep]), Sample.scenario == scenario)):
+        if v is not None:
+            per_run.setdefault(run_id, []).append(v)
+    series = Series()
+    for r in keep:
+        if values.get(r.id) is not None and per_run.get(r.id):
+            series.run_ids.append(r.id)
+            series.values.append(values[r.id])
+            series.samples.append(np.asarray(per_run[r.id], dtype=np.float64))
+    return series
+
+
+def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile) -> Limits:
+    """The limits in force for a run's config and a scenario, from the job's matrix."""
+    spec = run.job.spec or {}
+    matrix = spec.get("matrix") or {}
+    model = (matrix.get("models") or {}).get(run.model) or {}
+    floor = None
+    if (run.settings or {}).get("mtp"):
+        steps = (matrix.get("mtp") or {}).get("num_steps", 3)
+        floors = model.get("accept_floor") or {}
+        floor = floors.get(steps, floors.get(str(steps)))
+    return limits_for(matrix=run.matrix, engine=spec.get("engine") or matrix.get("engine")
+                      or "embedded", config=run.config, model=run.model,
+                      settings=run.settings or {}, scenario=scenario, thresholds=thresholds,
+                      matrix_thresholds={k: v for k, v in (matrix.get("thresholds") or {}).items()
+                                         if v is not None},
+                      accept_floor=floor)
+
+
+def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None = None
+              ) -> list[Verdict]:
+    """Judge every metric of every scenario of a recorded run and store the verdicts (replacing
+    any it had). A history regression turns its scenario's verdict to fail."""
+    thresholds = thresholds or load_thresholds()
+    hs = thresholds.history
+    run = session.get(Run, run_id)
+    session.execute(delete(Verdict).where(Verdict.run_id == run_id))
+    if run.status != "done":
+        return []
+    metrics: dict[str, dict[str, float | None]] = {}
+    for scen, name, value in session.execute(select(Metric.scenario, Metric.name, Metric.value)
+                                             .where(Metric.run_id == run_id)):
+        metrics.setdefault(scen, {})[name] = value
+    samples: dict[tuple[str, str], list[float]] = {}
+    for row in session.execute(select(Sample.scenario, Sample.kl_k3_mean, Sample.accept_length)
+                               .where(Sample.run_id == run_id)):
+        for metric in METRICS:
+            v = getattr(row, metric)
+            if v is not None:
+                samples.setdefault((row.scenario, metric), []).append(v)
+    candidates = earlier_runs(session, run, limit=3 * max(hs.window, hs.change_point_window))
+    out: list[Verdict] = []
+    for scen_row in run.scenarios:
+        m = metrics.get(scen_row.scenario)
+        if not m or scen_row.verdict == "error":
+            continue
+        limits = run_limits(run, scen_row.scenario, thresholds)
+        for metric in METRICS:
+            series = baseline_series(session, run, candidates, scen_row.scenario, metric)
+            j = judge_metric(scen_row.scenario, metric, m.get(metric),
+                             np.asarray(samples.get((scen_row.scenario, metric), []), float),
+                             limits, series, hs, coverage=m.get("hit_coverage"),
+                             exact_fraction=m.get("bit_exact_fraction"))
+            if j is None:
+                continue
+            v = Verdict(run_id=run_id, scenario=j.scenario, metric=j.metric, verdict=j.verdict,
+                        method=j.method, value=j.value, baseline=j.baseline, diff_low=j.diff_low,
+                        diff_high=j.diff_high, threshold=j.threshold, p_value=j.p_value,
+                        evidence=j.evidence, reason=j.reason or None)
+            session.add(v)
+            out.append(v)
+            if j.verdict == "regression" and scen_row.verdict == "pass":
+                scen_row.verdict, scen_row.reason = "fail", j.reason
+    verdicts = [s.verdict for s in run.scenarios]
+    if verdicts and run.verdict not in ("invalid", "cancelled"):
+        run.verdict = worst(verdicts)
+        if run.verdict != "pass":
+            s = next(s for s in run.scenarios if s.verdict == run.verdict)
+            run.reason = f"{s.scenario}: {s.reason}"
+    session.flush()
+    return out
+
+
+def track(session: Session, run: Run, verdicts: list[Verdict]) -> None:
+    """Open, extend or close the regressions of the run's series (only from the series' newest
+    run: evaluations of older commits, such as bisection steps, never move them)."""
+    if not newest_in_series(session, run):
+        return
+    for v in verdicts:
+        if v.verdict == "inconclusive":
+            continue
+        reg = session.scalars(select(Regression).where(
+            Regression.fingerprint == run.fingerprint, Regression.patch_set == run.build.patch_set,
+            Regression.scenario == v.scenario, Regression.metric == v.metric,
+            Regression.state == "open")).first()
+        if v.verdict == "regression":
+            if reg is None:
+                base = (v.evidence or {}).get("baseline_runs") or []
+                reg = Regression(fingerprint=run.fingerprint, patch_set=run.build.patch_set,
+                                 scenario=v.scenario, metric=v.metric, config=run.config,
+                                 matrix=run.matrix, state="open", first_run_id=run.id,
+                                 last_run_id=run.id, runs_seen=1,
+                                 last_good_run_id=base[-1] if base else None)
+                session.add(reg)
+                log.warning("regression opened: %s %s %s (run %d)", run.config, v.scenario,
+                            v.metric, run.id)
+            elif reg.last_run_id != run.id:
+                reg.last_run_id, reg.runs_seen = run.id, reg.runs_seen + 1
+        elif reg is not None and reg.first_run_id != run.id:
+            reg.state, reg.resolved_run_id, reg.resolved_at = "resolved", run.id, utcnow()
+            log.info("regression %d resolved by run %d", reg.id, run.id)
+    session.flush()
+
