@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from evalsvc.bisect import Bisector
 from evalsvc.dispatch.local import LocalDispatcher
 from evalsvc.jobs import JobService
 from evalsvc.settings import Settings
@@ -29,15 +30,17 @@ class Services:
     settings: Settings
     store: Store
     jobs: JobService
+    bisector: Bisector
     nightly: object | None = None
 
     @classmethod
     def start(cls, settings: Settings, start_runner: bool = True) -> Services:
         store = Store(settings.resolved_database_url())  # migrates to head
         jobs = JobService(settings, store, LocalDispatcher(settings.engine_slots))
-        services = cls(settings, store, jobs)
+        services = cls(settings, store, jobs, Bisector(store, jobs))
         if start_runner:
             jobs.start()
+            services.bisector.resume()
             if settings.nightly:
                 from evalsvc.nightly import NightlyScheduler
 
@@ -47,6 +50,7 @@ class Services:
     def stop(self) -> None:
         if self.nightly is not None:
             self.nightly.stop()
+        self.bisector.stop()
         self.jobs.stop()
         self.store.close()
 

@@ -1,20 +1,22 @@
-"""REST routes under /api/v1: jobs, commits and results, history, comparisons, matrices, golden runs."""
+"""REST routes under /api/v1: jobs, commits and results, history, comparisons, matrices, golden runs,
+regressions and their triage, alerts, bisections."""
 
 from __future__ import annotations
 
 from collections import Counter
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, Field
 from sqlalchemy import select
 
 from evalsvc.api.deps import ServicesDep, SessionDep, require_read, require_write
+from evalsvc.bisect import BisectCreate
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import queries
-from evalsvc.store.models import Job, Run
+from evalsvc.store.models import Bisection, Job, Regression, Run
 
 router = APIRouter(dependencies=[Depends(require_read)])
 JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -232,3 +234,72 @@ def create_golden(body: GoldenCreate, session: SessionDep) -> dict[str, Any]:
     except KeyError:
         raise HTTPException(status_code=404, detail=f"no run {body.run_id}") from None
     return {"fingerprint": g.fingerprint, "run_id": g.run_id, "label": g.label}
+
+
+class TriageUpdate(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    triage: Literal["acknowledged", "expected", "fixed"] | None = Field(
+        ..., description="acknowledged: being looked at; expected: an intended change (its level "
+                         "becomes the new baseline); fixed: a fix is in; null: untriaged")
+    comment: str | None = Field(None, max_length=4000)
+
+
+@router.get("/regressions", tags=["verdicts"])
+def read_regressions(session: SessionDep,
+                     state: Annotated[Literal["open", "resolved"] | None, Query()] = None
+                     ) -> list[dict[str, Any]]:
+    """Regressions (open first), each with the verdict and evidence of the run that opened it."""
+    return queries.regressions(session, state)
+
+
+@router.get("/regressions/{regression_id}", tags=["verdicts"])
+def read_regression(regression_id: RunId, session: SessionDep) -> dict[str, Any]:
+    r = session.get(Regression, regression_id)
+    if r is None:
+        raise HTTPException(status_code=404, detail=f"no regression {regression_id}")
+    return queries.regression_dict(session, r)
+
+
+@router.patch("/regressions/{regression_id}", tags=["verdicts"],
+              dependencies=[Depends(require_write)])
+def triage_regression(regression_id: RunId, body: TriageUpdate, session: SessionDep
+                      ) -> dict[str, Any]:
+    """Triage a regression: acknowledged, expected or fixed, with a comment."""
+    try:
+        r = queries.triage_regression(session, regression_id, body.triage, body.comment)
+    except KeyError:
+        raise HTTPException(status_code=404, detail=f"no regression {regression_id}") from None
+    return queries.regression_dict(session, r)
+
+
+@router.get("/alerts", tags=["verdicts"])
+def read_alerts(session: SessionDep) -> list[dict[str, Any]]:
+    """The alerts made (newest first), delivered or not."""
+    return queries.alerts(session)
+
+
+@router.post("/bisections", status_code=201, tags=["bisections"],
+             dependencies=[Depends(require_write)])
+def create_bisection(body: BisectCreate, services: ServicesDep) -> dict[str, Any]:
+    """Find the first bad commit between a good and a bad one of a git source, running only the
+    failing config on midpoints (give the fields, or a regression_id to take them from)."""
+    try:
+        bisect_id = services.bisector.submit(body)
+    except JobError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+    with services.store.session() as s:
+        return queries.bisection_dict(s.get(Bisection, bisect_id))
+
+
+@router.get("/bisections", tags=["bisections"])
+def read_bisections(session: SessionDep) -> list[dict[str, Any]]:
+    return queries.bisections(session)
+
+
+@router.get("/bisections/{bisect_id}", tags=["bisections"])
+def read_bisection(bisect_id: JobId, session: SessionDep) -> dict[str, Any]:
+    b = session.get(Bisection, bisect_id)
+    if b is None:
+        raise HTTPException(status_code=404, detail=f"no bisection {bisect_id}")
+    return queries.bisection_dict(b)

@@ -1,0 +1,295 @@
+"""Bisection: the first bad commit of a git source between a good and a bad one.
+
+The candidates are the first-parent commits after ``good`` up to ``bad``. Each step evaluates one
+config, only, on one commit (a job with trigger ``bisect``, run like any other), or reuses a
+finished run of that config on that commit if the store has one; the commit is bad when the
+scenario failed (a fixed limit or a history regression) or, with ``metric``, when that metric's
+verdict is a regression. Binary search needs at most ceil(log2(n)) runs for n candidates, plus one
+if the bad end has not been evaluated yet. A step whose run cannot decide (engine error, too few
+cache hits) stops the bisection with that reason.
+
+Bisections live in the store: the steps are written as they finish, and a service restarted in
+the middle resumes them (finished steps are reused, not run again).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from evalsvc.builds.build import BuildError, git, git_mirror
+from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService
+from evalsvc.logs import log_context
+from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix
+from evalsvc.store.db import Store
+from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, Verdict, utcnow
+from evalsvc.verdicts import METRICS
+
+log = logging.getLogger("evalsvc.bisect")
+FINISHED = ("done", "failed", "cancelled")
+
+
+class BisectCreate(BaseModel):
+    """A bisection: a repository, a good and a bad commit, the config and scenario that fail."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repository: str | None = Field(None, description="git repository (path or URL)")
+    good: str | None = Field(None, description="a commit where the config passes")
+    bad: str | None = Field(None, description="a later commit where it fails")
+    matrix: str = Field("smoke", description="matrix name under configs/")
+    config: str | None = Field(None, description="the failing config of the matrix")
+    scenario: str | None = Field(None, description="the failing scenario")
+    metric: str | None = Field(None, description="kl_k3_mean or accept_length; none: any failure "
+                                                 "of the scenario")
+    patches: list[str] = Field(default_factory=list)
+    workload: dict[str, Any] | None = Field(None, description="overrides of the matrix workload")
+    regression_id: int | None = Field(None, description="bisect this regression: the fields above "
+                                                        "default to its series and commits")
+
+
+class Bisector:
+    """Runs bisections in threads of their own, each step a job of the job service."""
+
+    def __init__(self, store: Store, jobs: JobService, poll: float = 1.0) -> None:
+        self.store, self.jobs, self.poll = store, jobs, poll
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- submission ------------------------------------------------------------------------
+    def submit(self, body: BisectCreate, start: bool = True, trusted: bool = False) -> str:
+        """Validate and store a bisection, and start it. ``trusted``: from the operator (the CLI),
+        whose repositories need not be on the allowed list."""
+        spec = self.normalize(body, trusted=trusted)
+        bisect_id = f"bisect-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        with self.store.session() as s:
+            s.add(Bisection(id=bisect_id, repository=spec["repository"], good=spec["good"],
+                            bad=spec["bad"], matrix=spec["matrix"], config=spec["config"],
+                            scenario=spec["scenario"], metric=spec["metric"], spec=spec,
+                            status="queued", candidates=spec["candidates"], steps=[],
+                            regression_id=body.regression_id))
+        log.info("bisection %s queued: %d candidates between %s and %s", bisect_id,
+                 len(spec["candidates"]), spec["good"][:10], spec["bad"][:10])
+        if start:
+            self.start(bisect_id)
+        return bisect_id
+
+    def normalize(self, body: BisectCreate, trusted: bool = False) -> dict[str, Any]:
+        """Fill in from the regression, check everything, list the candidates; JobError if not."""
+        fields = body.model_dump()
+        if body.regression_id is not None:
+            fields = {**self._from_regression(body.regression_id),
+                      **{k: v for k, v in fields.items() if v is not None and k != "patches"},
+                      "patches": body.patches or self._from_regression(body.regression_id)
+                      ["patches"]}
+        for key in ("repository", "good", "bad", "config", "scenario"):
+            if not fields.get(key):
+                raise JobError(f"{key}: required (or give a regression_id)")
+        if fields["scenario"] not in SCENARIOS:
+            raise JobError(f"scenario: unknown {fields['scenario']!r} (known: {', '.join(SCENARIOS)})")
+        if fields["metric"] is not None and fields["metric"] not in METRICS:
+            raise JobError(f"metric: unknown {fields['metric']!r} (known: {', '.join(METRICS)})")
+        try:
+            matrix = load_matrix(fields["matrix"])
+        except MatrixError as exc:
+            raise JobError(f"matrix: {exc}") from None
+        cfg = next((c for c in expand(matrix) if c.name == fields["config"]), None)
+        if cfg is None:
+            raise JobError(f"config: {fields['config']!r} not in matrix {matrix.name}")
+        if fields["scenario"] not in cfg.scenarios:
+            raise JobError(f"scenario: config {cfg.name} does not run {fields['scenario']!r} "
+                           f"(it runs {', '.join(cfg.scenarios)})")
+        repo = fields["repository"]
+        # the steps' job body, checked first (allowed sources before anything is cloned)
+        self.jobs.normalize(self._step_body(fields, f"git:{repo}@{fields['bad']}"), trusted=trusted)
+        try:
+            mirror = git_mirror(repo)
+            good = _resolve(mirror, fields["good"], "good")
+            bad = _resolve(mirror, fields["bad"], "bad")
+        except BuildError as exc:
+            raise JobError(f"repository: {exc}") from None
+        if git(["merge-base", "--is-ancestor", good, bad], mirror, check=False).returncode != 0:
+            raise JobError(f"good: {good[:12]} is not an ancestor of bad {bad[:12]}")
+        candidates = git(["rev-list", "--first-parent", "--reverse", f"{good}..{bad}"],
+                         mirror).stdout.split()
+        if not candidates:
+            raise JobError("bad: the same commit as good")
+        return {**fields, "good": good, "bad": bad, "candidates": candidates}
+
+    def _from_regression(self, regression_id: int) -> dict[str, Any]:
+        with self.store.session() as s:
+            reg = s.get(Regression, regression_id)
+            if reg is None:
+                raise JobError(f"regression_id: no regression {regression_id}")
+            bad_commit = reg.first_run.build.commit
+            good_run = reg.last_good_run
+            job_spec = reg.first_run.job.spec or {}
+            if not bad_commit.sha or good_run is None or not good_run.build.commit.sha:
+                raise JobError(f"regression_id: regression {regression_id} has no good and bad "
+                               "git commits to bisect between")
+            return {"repository": bad_commit.repository, "good": good_run.build.commit.sha,
+                    "bad": bad_commit.sha, "matrix": reg.matrix, "config": reg.config,
+                    "scenario": reg.scenario, "metric": reg.metric,
+                    "patches": [p for p in reg.patch_set.split(",") if p],
+                    "workload": _workload_overrides(job_spec)}
+
+    @staticmethod
+    def _step_body(spec: dict[str, Any], source: str) -> JobCreate:
+        return JobCreate(matrix=spec["matrix"], configs=[spec["config"]],
+                         builds=[BuildSpec(source=source, patches=spec["patches"])],
+                         workload=spec.get("workload"), priority=100)
+
+    # ---- running ---------------------------------------------------------------------------
+    def start(self, bisect_id: str) -> None:
+        t = threading.Thread(target=self.run, args=(bisect_id,), name=f"bisect-{bisect_id[-8:]}",
+                             daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def resume(self) -> None:
+        """After a restart: continue the bisections that had not finished."""
+        with self.store.session() as s:
+            ids = list(s.scalars(select(Bisection.id).where(Bisection.status.in_(("queued",
+                                                                                   "running")))))
+        for bisect_id in ids:
+            self.start(bisect_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, bisect_id: str, on_step=None) -> str | None:
+        """Run a bisection to its end; returns the first bad commit (None if it failed)."""
+        with log_context(job=bisect_id):
+            with self.store.session() as s:
+                b = s.get(Bisection, bisect_id)
+                b.status = "running"
+                spec, candidates = dict(b.spec), list(b.candidates)
+            try:
+                first_bad = self._search(bisect_id, spec, candidates, on_step)
+            except BisectError as exc:
+                self._finish(bisect_id, "failed", error=str(exc))
+                log.warning("bisection %s failed: %s", bisect_id, exc)
+                return None
+            except _Stopped:
+                return None
+            except Exception as exc:
+                self._finish(bisect_id, "failed", error=f"{type(exc).__name__}: {exc}")
+                log.exception("bisection %s failed", bisect_id)
+                return None
+            self._finish(bisect_id, "done", first_bad=first_bad)
+            log.info("bisection %s: first bad commit %s", bisect_id, first_bad)
+            return first_bad
+
+    def _search(self, bisect_id: str, spec: dict[str, Any], candidates: list[str],
+                on_step) -> str:
+        lo, hi = -1, len(candidates) - 1  # candidates[lo] good (-1: the good commit), [hi] bad
+        if not self._step(bisect_id, spec, candidates[hi], on_step):
+            raise BisectError(f"the bad commit {candidates[hi][:12]} passes {spec['config']} / "
+                              f"{spec['scenario']}: nothing to bisect")
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._step(bisect_id, spec, candidates[mid], on_step):
+                hi = mid
+            else:
+                lo = mid
+        return candidates[hi]
+
+    def _step(self, bisect_id: str, spec: dict[str, Any], sha: str, on_step) -> bool:
+        """Evaluate one commit (or reuse its stored run): True when it is bad."""
+        run_id = self._stored_run(spec, sha)
+        reused = run_id is not None
+        job_id = None
+        if run_id is None:
+            body = self._step_body(spec, f"git:{spec['repository']}@{sha}")
+            job_id = self.jobs.submit(body, trigger="bisect", extra={"bisection": bisect_id},
+                                      trusted=True)
+            run_id = self._wait(job_id, sha)
+        bad, verdict, reason = self._judge(spec, run_id, sha)
+        step = {"sha": sha, "run_id": run_id, "job_id": job_id, "reused": reused,
+                "bad": bad, "verdict": verdict, "reason": reason}
+        with self.store.session() as s:
+            b = s.get(Bisection, bisect_id)
+            b.steps = [*b.steps, step]
+            b.runs_used += 0 if reused else 1
+        log.info("bisection %s: %s is %s%s", bisect_id, sha[:10], "bad" if bad else "good",
+                 " (stored run)" if reused else "")
+        if on_step is not None:
+            on_step(step)
+        return bad
+
+    def _stored_run(self, spec: dict[str, Any], sha: str) -> int | None:
+        patch_set = ",".join(sorted(set(spec["patches"])))
+        with self.store.session() as s:
+            return s.scalars(
+                select(Run.id).join(Build, Run.build_id == Build.id)
+                .join(Commit, Build.commit_id == Commit.id)
+                .where(Commit.sha == sha, Commit.repository == spec["repository"],
+                       Build.patch_set == patch_set, Run.matrix == spec["matrix"],
+                       Run.config == spec["config"], Run.status == "done",
+                       Run.verdict.in_(("pass", "fail")))
+                .order_by(Run.finished_at.desc()).limit(1)).first()
+
+    def _wait(self, job_id: str, sha: str) -> int:
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            with self.store.session() as s:
+                job = s.get(Job, job_id)
+                if job.status in FINISHED:
+                    run = s.scalars(select(Run).where(Run.job_id == job_id)).first()
+                    if job.status != "done" or run is None or run.status != "done":
+                        raise BisectError(f"commit {sha[:12]}: job {job_id} {job.status}"
+                                          + (f": {job.error}" if job.error else ""))
+                    return run.id
+            time.sleep(self.poll)
+
+    def _judge(self, spec: dict[str, Any], run_id: int, sha: str) -> tuple[bool, str, str]:
+        with self.store.session() as s:
+            run = s.get(Run, run_id)
+            scen = next((x for x in run.scenarios if x.scenario == spec["scenario"]), None)
+            if scen is None or scen.verdict not in ("pass", "fail"):
+                why = (f"{scen.verdict}: {scen.reason}" if scen is not None
+                       else f"{run.verdict}: {run.reason}")
+                raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide ({why})")
+            if spec.get("metric"):
+                v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
+                                                    Verdict.scenario == spec["scenario"],
+                                                    Verdict.metric == spec["metric"])).first()
+                if v is None:
+                    raise BisectError(f"commit {sha[:12]}: run {run_id} has no "
+                                      f"{spec['metric']} verdict for {spec['scenario']}")
+                return v.verdict == "regression", v.verdict, v.reason or ""
+            return scen.verdict == "fail", scen.verdict, scen.reason or ""
+
+    def _finish(self, bisect_id: str, status: str, first_bad: str | None = None,
+                error: str | None = None) -> None:
+        with self.store.session() as s:
+            b = s.get(Bisection, bisect_id)
+            b.status, b.first_bad, b.error, b.finished_at = status, first_bad, error, utcnow()
+
+
+class BisectError(RuntimeError):
+    """A bisection that cannot go on; the message names the commit and why."""
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _resolve(mirror, ref: str, what: str) -> str:
+    proc = git(["rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], mirror, check=False)
+    if proc.returncode != 0:
+        raise BuildError(f"{what}: no commit {ref!r}")
+    return proc.stdout.strip()
+
+
+def _workload_overrides(job_spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The workload a job ran, as overrides of its matrix's, so that the steps measure the same."""
+    workload = (job_spec.get("matrix") or {}).get("workload")
+    return dict(workload) if workload else None
