@@ -108,7 +108,7 @@ def parse_defects(names: list[str] | None, env: dict[str, str] | None = None) ->
 
 def format_defects(strengths: dict[Defect, float] | dict[str, float]) -> str:
     """The ``EVALSVC_ENGINE_DEFECTS`` value of a mapping: ``name`` at 1.0, else ``name@strength``."""
-    return ",".join(str(d) if s >= 1.0 else f"{d}@{s:g}" for d, s in strengths.items())
+    return ",".join(str(d) if s >= 1.0 else f"{d}@{float(s)!r}" for d, s in strengths.items())
 
 
 def defect_fraction(defect: Defect | str, token_ids: Sequence[int]) -> float:
