@@ -83,6 +83,8 @@ class Bisector:
     def normalize(self, body: BisectCreate, trusted: bool = False) -> dict[str, Any]:
         """Fill in from the regression, check everything, list the candidates; JobError if not."""
         fields = body.model_dump()
+        # a stored regression's repository is one the service evaluated already: the operator's
+        trusted = trusted or (body.regression_id is not None and body.repository is None)
         if body.regression_id is not None:
             fields = {**self._from_regression(body.regression_id),
                       **{k: v for k, v in fields.items() if v is not None and k != "patches"},

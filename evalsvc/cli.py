@@ -347,6 +347,102 @@ def nightly(
         store.close()
 
 
+@app.command()
+def bisect(
+    repository: Annotated[str | None, typer.Option("--repo", help="git repository (path or URL)")]
+    = None,
+    good: Annotated[str | None, typer.Option(help="a commit where the config passes")] = None,
+    bad: Annotated[str | None, typer.Option(help="a later commit where it fails")] = None,
+    config: Annotated[str | None, typer.Option(help="the failing config")] = None,
+    scenario: Annotated[str | None, typer.Option(help="the failing scenario")] = None,
+    metric: Annotated[str | None, typer.Option(help="kl_k3_mean or accept_length (default: any "
+                                                    "failure of the scenario)")] = None,
+    matrix: Annotated[str, typer.Option(help="matrix name under configs/")] = "smoke",
+    patch: Annotated[list[str] | None, typer.Option(help="patch (repeatable)")] = None,
+    num_prompts: Annotated[int | None, typer.Option(help="workload size override")] = None,
+    regression: Annotated[int | None, typer.Option(help="bisect this stored regression")] = None,
+    server: Annotated[str | None, typer.Option(help="a running service to ask (its URL); "
+                                                    "default: run here, in the local store")]
+    = None,
+) -> None:
+    """Find the first bad commit between GOOD and BAD, running only CONFIG on midpoints."""
+    import time
+
+    from evalsvc.bisect import BisectCreate, Bisector
+    from evalsvc.jobs import JobError
+
+    body = BisectCreate(repository=repository, good=good, bad=bad, config=config,
+                        scenario=scenario, metric=metric, matrix=matrix, patches=patch or [],
+                        workload={"num_prompts": num_prompts} if num_prompts else None,
+                        regression_id=regression)
+
+    def show(step: dict) -> None:
+        how = "stored run" if step["reused"] else f"job {step['job_id']}"
+        typer.echo(f"  {step['sha'][:12]}  {'bad ' if step['bad'] else 'good'}  ({how}, run "
+                   f"{step['run_id']}){': ' + step['reason'] if step['bad'] else ''}")
+
+    if server is not None:
+        import httpx
+
+        from evalsvc.settings import Settings
+
+        token = Settings().api_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        with httpx.Client(base_url=server.rstrip("/") + "/api/v1", headers=headers,
+                          timeout=60) as client:
+            resp = client.post("/bisections", json=body.model_dump(exclude_none=True))
+            if resp.status_code != 201:
+                typer.echo(f"error: {resp.json().get('detail', resp.text)}", err=True)
+                raise typer.Exit(2)
+            b = resp.json()
+            typer.echo(f"bisection {b['id']}: {len(b['candidates'])} candidate commits")
+            seen = 0
+            while b["status"] not in ("done", "failed"):
+                time.sleep(2)
+                b = client.get(f"/bisections/{b['id']}").json()
+                for step in b["steps"][seen:]:
+                    show(step)
+                seen = len(b["steps"])
+        _bisect_result(b["first_bad"], b["runs_used"], b["error"])
+        return
+
+    from evalsvc.dispatch.local import LocalDispatcher
+    from evalsvc.jobs import JobService
+    from evalsvc.settings import Settings
+    from evalsvc.store.db import Store
+    from evalsvc.store.models import Bisection
+
+    settings = Settings()
+    store = Store(settings.resolved_database_url())
+    jobs = JobService(settings, store, LocalDispatcher(settings.engine_slots))
+    bisector = Bisector(store, jobs)
+    try:
+        try:
+            bisect_id = bisector.submit(body, start=False, trusted=True)
+        except JobError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        with store.session() as s:
+            n = len(s.get(Bisection, bisect_id).candidates)
+        typer.echo(f"bisection {bisect_id}: {n} candidate commits")
+        jobs.start()
+        bisector.run(bisect_id, on_step=show)
+        with store.session() as s:
+            b = s.get(Bisection, bisect_id)
+            first_bad, used, error = b.first_bad, b.runs_used, b.error
+    finally:
+        jobs.stop()
+        store.close()
+    _bisect_result(first_bad, used, error)
+
+
+def _bisect_result(first_bad: str | None, runs_used: int, error: str | None) -> None:
+    if first_bad is None:
+        typer.echo(f"bisection failed: {error}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"first bad commit: {first_bad} ({runs_used} run(s))")
+
+
 db_app = typer.Typer(no_args_is_help=True, help="The results store's schema.")
 app.add_typer(db_app, name="db")
 

@@ -328,12 +328,12 @@ def track(session: Session, run: Run, verdicts: list[Verdict]) -> None:
             Regression.state == "open")).first()
         if v.verdict == "regression":
             if reg is None:
-                base = (v.evidence or {}).get("baseline_runs") or []
                 reg = Regression(fingerprint=run.fingerprint, patch_set=run.build.patch_set,
                                  scenario=v.scenario, metric=v.metric, config=run.config,
                                  matrix=run.matrix, state="open", first_run_id=run.id,
                                  last_run_id=run.id, runs_seen=1,
-                                 last_good_run_id=base[-1] if base else None)
+                                 last_good_run_id=last_good_run(session, run, v.scenario,
+                                                                v.metric))
                 session.add(reg)
                 log.warning("regression opened: %s %s %s (run %d)", run.config, v.scenario,
                             v.metric, run.id)
@@ -344,3 +344,14 @@ def track(session: Session, run: Run, verdicts: list[Verdict]) -> None:
             log.info("regression %d resolved by run %d", reg.id, run.id)
     session.flush()
 
+
+
+def last_good_run(session: Session, run: Run, scenario: str, metric: str) -> int | None:
+    """The newest earlier run of the series whose verdict for this scenario and metric was a
+    pass (or an improvement): where a bisection starts."""
+    for r in earlier_runs(session, run, limit=100):
+        v = session.scalars(select(Verdict.verdict).where(
+            Verdict.run_id == r.id, Verdict.scenario == scenario, Verdict.metric == metric)).first()
+        if v in ("pass", "improvement"):
+            return r.id
+    return None
