@@ -26,6 +26,7 @@ from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
 from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
 from evalsvc.store import queries
 from evalsvc.store.models import Run, Sample
+from evalsvc.thresholds import limits_for
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
@@ -96,14 +97,20 @@ def finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def kl_threshold(matrix: str, cache: dict[str, float | None]) -> float | None:
-    """The matrix file's KL threshold (kl_k3_mean, nats); None for a matrix not under configs/."""
-    if matrix not in cache:
+def kl_threshold(run: dict[str, Any], cache: dict[str, float | None]) -> float | None:
+    """The fixed KL limit (kl_k3_mean, nats) of a run's config from configs/thresholds.yaml; None
+    for a matrix not under configs/."""
+    if run["fingerprint"] not in cache:
         try:
-            cache[matrix] = load_matrix(matrix).thresholds.kl_k3_mean
+            matrix = load_matrix(run["matrix"])
         except MatrixError:
-            cache[matrix] = None
-    return cache[matrix]
+            cache[run["fingerprint"]] = None
+        else:
+            cache[run["fingerprint"]] = limits_for(
+                matrix=matrix.name, engine=matrix.engine, config=run["config"],
+                model=run["model"], settings=run.get("settings") or {}, scenario="cold",
+                matrix_thresholds=matrix.thresholds.model_dump(exclude_none=True)).kl_k3_mean.max
+    return cache[run["fingerprint"]]
 
 
 # ---- overview ------------------------------------------------------------------------------
@@ -130,7 +137,7 @@ def trend_charts(window: dict[str, list[dict[str, Any]]], values: Iterable[tuple
         run = runs[series[0][1]]
         chart = charts.setdefault(fingerprint, {
             "fingerprint": fingerprint, "config": run["config"], "model": run["model"],
-            "threshold": kl_threshold(run["matrix"], thresholds) if metric == "kl_k3_mean"
+            "threshold": kl_threshold(run, thresholds) if metric == "kl_k3_mean"
             else None, "series": []})
         chart["series"].append({
             "metric": name, "name": scenario + (f" [{patch_set}]" if patch_set else ""),
