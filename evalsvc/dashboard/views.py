@@ -1,4 +1,5 @@
-"""The dashboard's HTML pages: overview, commits, jobs, a job, compare, and a sample's tokens.
+"""The dashboard's HTML pages: overview, commits, jobs, a job, compare, regressions, bisections,
+and a sample's tokens.
 
 Pages render server-side from the store's queries; chart data goes into the page as JSON, drawn by
 Plotly (served from the installed ``plotly`` package, nothing from the internet).
@@ -18,14 +19,15 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
-from sqlalchemy import select
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session, selectinload
 
 from evalsvc.api.deps import SessionDep, require_read
 from evalsvc.api.routes import JobId, RunId
 from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
 from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
 from evalsvc.store import queries
-from evalsvc.store.models import Run, Sample
+from evalsvc.store.models import Bisection, Build, Regression, Run, Sample
 from evalsvc.thresholds import limits_for
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
@@ -41,6 +43,8 @@ LOG_TAIL_BYTES = 8_000
 PAGE_SIZE = 100
 # compare verdicts, worst first: the order of the compare page
 COMPARE_ORDER = ("regression", "fail", "inconclusive", "improvement", "pass")
+REGRESSIONS_SHOWN = 200  # regression_dict reads each one's opening verdict: one query each
+TRIAGE = ("acknowledged", "expected", "fixed")
 
 Text = Annotated[str | None, Query(max_length=300)]
 
@@ -182,7 +186,8 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
                "branches": queries.branches(session), "scenarios": SCENARIOS,
                "metrics": TREND_METRICS}
     return page(request, "overview.html", title="Overview", latest=latest, scenarios=shown,
-                trends=trends, filters=filters, choices=choices)
+                trends=trends, filters=filters, choices=choices,
+                open_regressions=open_regression_counts(session))
 
 
 # ---- commits and jobs ----------------------------------------------------------------------
@@ -348,6 +353,97 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COMPARE_ORDER}
     return page(request, "compare.html", title="Compare", form=form, recent=recent, rows=rows,
                 counts={v: n for v, n in counts.items() if n}, permalink=str(request.url))
+
+
+# ---- regressions and bisections ------------------------------------------------------------
+
+def open_regression_counts(session: Session) -> dict[str, int]:
+    """How many regressions are open, and how many of them nobody has triaged yet."""
+    total, untriaged = session.execute(
+        select(func.count(Regression.id),
+               func.coalesce(func.sum(case((Regression.triage.is_(None), 1), else_=0)), 0))
+        .where(Regression.state == "open")).one()
+    return {"open": total, "untriaged": untriaged}
+
+
+def regression_rows(session: Session, limit: int = REGRESSIONS_SHOWN) -> list[dict[str, Any]]:
+    """``queries.regressions``, open first, with the runs they point at (and their builds and
+    commits) loaded up front instead of one by one, and each one's bisections."""
+    runs = [selectinload(rel).selectinload(Run.build).selectinload(Build.commit)
+            for rel in (Regression.first_run, Regression.last_run, Regression.last_good_run,
+                        Regression.resolved_run)]
+    found = session.scalars(
+        select(Regression).options(*runs)
+        .order_by((Regression.state == "open").desc(), Regression.opened_at.desc(),
+                  Regression.id.desc()).limit(limit)).all()
+    rows = [queries.regression_dict(session, r) for r in found]
+    bisections: dict[int, list[dict[str, Any]]] = {r["id"]: [] for r in rows}
+    if rows:
+        for b in session.execute(select(Bisection.id, Bisection.regression_id, Bisection.status,
+                                        Bisection.first_bad)
+                                 .where(Bisection.regression_id.in_(list(bisections)))
+                                 .order_by(Bisection.created_at)):
+            bisections[b.regression_id].append({"id": b.id, "status": b.status,
+                                                "first_bad": b.first_bad})
+    for r in rows:
+        r["bisections"] = bisections[r["id"]]
+    return rows
+
+
+def regression_api(request: Request) -> str:
+    """The triage endpoint's URL without the id, at the service's public address when it has one
+    (that is what a curl from elsewhere needs)."""
+    url = request.url_for("read_regression", regression_id=1)
+    public = request.app.state.settings.public_url
+    base = public.rstrip("/") + url.path if public else str(url)
+    return base.removesuffix("1")
+
+
+@router.get("/regressions")
+def read_regressions_page(request: Request, session: SessionDep) -> HTMLResponse:
+    """Regressions, open ones first: their triage, commits, and the evidence of the verdict that
+    opened them; triage goes through the API."""
+    rows = regression_rows(session)
+    return page(request, "regressions.html", title="Regressions",
+                open=[r for r in rows if r["state"] == "open"],
+                resolved=[r for r in rows if r["state"] != "open"], shown=REGRESSIONS_SHOWN,
+                full=len(rows) == REGRESSIONS_SHOWN, triage_api=regression_api(request),
+                triage_values=TRIAGE,
+                write_token=bool(request.app.state.settings.api_token))
+
+
+def bisection_view(b: dict[str, Any]) -> dict[str, Any]:
+    """``queries.bisection_dict`` with the most runs it may take (``bound``: ceil(log2(n)) for n
+    candidates, ``search``, plus one when the bad end had to be run rather than reused,
+    ``ran_bad``; None without candidates), and each candidate's state: first_bad, bad, good, or
+    None (not evaluated)."""
+    steps = b["steps"] or []
+    n = len(b["candidates"] or [])
+    search = math.ceil(math.log2(n)) if n else None
+    ran_bad = any(s["sha"] == b["bad"] and not s.get("reused") for s in steps)
+    tested = {s["sha"]: "bad" if s["bad"] else "good" for s in steps}
+    candidates = [{"sha": sha, "state": "first_bad" if sha == b["first_bad"]
+                   else tested.get(sha)} for sha in b["candidates"] or []]
+    return {**b, "search": search, "ran_bad": ran_bad,
+            "bound": None if search is None else search + ran_bad,
+            "reused": sum(bool(s.get("reused")) for s in steps), "candidate_states": candidates}
+
+
+@router.get("/bisections")
+def read_bisections_page(request: Request, session: SessionDep) -> HTMLResponse:
+    """Bisections, newest first."""
+    return page(request, "bisections.html", title="Bisections",
+                bisections=[bisection_view(b) for b in queries.bisections(session)])
+
+
+@router.get("/bisections/{bisect_id}")
+def read_bisection_page(bisect_id: JobId, request: Request, session: SessionDep) -> HTMLResponse:
+    """A bisection: its range, each step and why, and the first bad commit (or why it stopped)."""
+    b = session.get(Bisection, bisect_id)
+    if b is None:
+        return problem(request, 404, f"no bisection {bisect_id}")
+    return page(request, "bisection.html", title=f"Bisection {bisect_id}",
+                b=bisection_view(queries.bisection_dict(b)))
 
 
 # ---- a sample's tokens ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Every page in chromium over a store filled by a real job (clean and snapshot-race builds of the
 embedded engine): no console errors, charts drawn, the regression on the overview and the compare
-page, the first divergent token marked, arguments and manifests on the job page, live progress."""
+page, the first divergent token marked, arguments and manifests on the job page, live progress,
+the regressions the job opened and their runs."""
 
 from __future__ import annotations
 
@@ -176,3 +177,37 @@ def test_commits_page_shows_each_builds_verdicts(tab, dashboard):
     defect = page.locator(f'.build[data-patch-set="{DEFECT}"]')
     assert unpatched.locator(".badge").all_inner_texts() == ["pass 2"]
     assert defect.locator(".badge").all_inner_texts() == ["fail 2"]
+
+
+def test_regressions_page_links_each_regression_to_its_run(tab, dashboard):
+    """The tracked job's defect build opened a regression per config and failing scenario; the
+    first bad commit's link leads to the run, whose verdicts show the regression."""
+    job = dashboard.wait()
+    page = tab.open("/")
+    assert page.locator(".open-regressions").inner_text() == "4 open regressions, 4 untriaged"
+    page.click(".open-regressions a")
+    page.wait_for_load_state("networkidle")
+    assert page.url.endswith("/regressions")
+    rows = page.locator("table.regressions tr.regression")
+    assert rows.count() == 4
+    found = {(rows.nth(i).get_attribute("data-config"), rows.nth(i).get_attribute("data-scenario"))
+             for i in range(4)}
+    assert found == {(c, s) for c in CONFIGS for s in ("prefill_hit", "branching")}
+    assert rows.locator(".triage").all_inner_texts() == ["untriaged"] * 4
+    assert page.locator("#triage-curl").inner_text().startswith(
+        f"curl -X PATCH {dashboard.url}/api/v1/regressions/")
+
+    defect_runs = {r["id"]: r for r in job["runs"] if DEFECT in r["build"]}
+    row = page.locator(f'tr.regression[data-config="{CONFIGS[0]}"][data-scenario="prefill_hit"]')
+    assert row.locator(".evidence .method").inner_text() in ("threshold", "bit_exact")
+    link = row.locator(".first-bad a")
+    run_id = int(link.get_attribute("href").rsplit("/", 1)[1])
+    assert defect_runs[run_id]["config"] == CONFIGS[0]
+    link.click()
+    page.wait_for_load_state("networkidle")
+    assert page.url.endswith(f"/jobs/{dashboard.job_id}#run-{run_id}")
+    verdict = page.locator(f'#run-{run_id} table.verdicts tr[data-scenario="prefill_hit"]'
+                           '[data-metric="kl_k3_mean"]')
+    assert verdict.get_attribute("class") == "row-regression"
+    assert verdict.locator(".badge").inner_text() == "regression"
+    assert verdict.is_visible()

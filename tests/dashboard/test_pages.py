@@ -1,29 +1,41 @@
-"""The pages in process (Starlette's test client) over a store of hand-built runs: what each page
-shows, filters, 404s, the read token, and escaping."""
+"""The pages in process (Starlette's test client) over a store of hand-built runs (with verdicts,
+regressions and bisections written as rows): what each page shows, filters, 404s, the read token,
+and escaping."""
 
 from __future__ import annotations
 
+import hashlib
 import html as html_lib
 import json
 import re
+import shlex
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from evalsvc.api.app import create_app
-from evalsvc.dashboard.views import compare_verdict
+from evalsvc.dashboard.views import bisection_view, compare_verdict
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
-from tests.store.factories import build_ref, record, run_result
+from evalsvc.store.models import Bisection, Regression, Run, Verdict
+from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
 
 MAMBA, GDN = "mamba2-eb-ov-c64", "gdn-eb-ov-c64"
 CLEAN = [1e-13, 2e-13, 1.5e-13]
 BROKEN = [0.05, 0.04, 0.06]  # above the factories' threshold: fail
 LOG = "engine up\n<script>alert('log')</script>\nlast line\n"
+COMMENT = "<b>snapshot race</b> in the extra buffer: looking"
+# the bisection's candidates (good exclusive .. bad inclusive): the third is the first bad one
+SHAS = [hashlib.sha1(f"c{i}".encode()).hexdigest() for i in range(5)]
+GOOD_SHA = hashlib.sha1(b"good").hexdigest()
+DONE, FAILED = "bisect-20260301-000000-aaaa1111", "bisect-20260302-000000-bbbb2222"
+FAILED_WHY = "commit 0123456789ab: run 7 cannot decide (inconclusive: hit coverage 0.00 below 0.50)"
 
 
 def results(config: str, model: str, prefill: list[float], log: Path | None = None):
@@ -51,9 +63,79 @@ def store_dir(tmp_path_factory) -> Path:
                build_ref("ccc333", hours=2, patches=["pr-fix"]), [results(MAMBA, "mamba2", CLEAN)])
         record(store, tmp / "results", "job-rel", build_ref("rel444", hours=3, branch="release"),
                [results(GDN, "gdn", CLEAN)])
+        add_verdicts(store)
     finally:
         store.close()
     return tmp
+
+
+def add_verdicts(store: Store) -> None:
+    """Verdicts, regressions and bisections over the recorded runs, as the verdict and bisection
+    code write them (the numbers made up, to be found on the pages):
+
+    * open, acknowledged (with a comment): mamba2's prefill_hit KL at ccc333, a history verdict,
+      last good bbb222, bisected (``DONE``: first bad SHAS[2]);
+    * open, untriaged, opened later: gdn's prefill_hit KL at rel444, a change point;
+    * resolved and fixed: gdn's cold KL, opened at aaa111 and closed by bbb222, no verdict kept;
+    * a failed bisection (``FAILED``) of no regression."""
+    with store.session() as s:
+        ids = {(r.job_id, r.config): r.id for r in s.scalars(select(Run))}
+        bad, good, first = (ids[("job-ccc333", MAMBA)], ids[("job-bbb222", MAMBA)],
+                            ids[("job-aaa111", MAMBA)])
+        rel = ids[("job-rel", GDN)]
+        s.add_all([
+            Verdict(run_id=bad, scenario="prefill_hit", metric="kl_k3_mean", verdict="regression",
+                    method="history", value=0.05, baseline=1.5e-13, diff_low=0.0412,
+                    diff_high=0.0588, threshold=2.5e-9, p_value=3.2e-5,
+                    evidence={"baseline_runs": [first, good], "n": 3, "n_baseline": 6,
+                              "confidence": 0.95, "test": "welch", "diff": 0.05},
+                    reason="mean KL (k3) 0.05 against 1.5e-13 over 2 earlier runs"),
+            Verdict(run_id=bad, scenario="cold", metric="kl_k3_mean", verdict="pass",
+                    method="threshold", value=1.5e-13, threshold=1e-8,
+                    evidence={"history_runs": 2}),
+            Verdict(run_id=rel, scenario="prefill_hit", metric="kl_k3_mean", verdict="regression",
+                    method="change_point", value=2e-12, baseline=1.4e-13, diff_low=-1e-14,
+                    diff_high=4e-12, threshold=3e-12, p_value=0.004,
+                    evidence={"change_point": {"index": 2, "before": 1.5e-13, "after": 2e-12,
+                                               "p_value": 0.004, "first_run_id": None}},
+                    reason="mean KL (k3) shifted from 1.5e-13 to 2e-12 1 runs ago (p = 0.004)")])
+        acked = Regression(fingerprint=fingerprint_of(MAMBA), scenario="prefill_hit",
+                           metric="kl_k3_mean", config=MAMBA, matrix="smoke", state="open",
+                           first_run_id=bad, last_run_id=bad, last_good_run_id=good, runs_seen=1,
+                           triage="acknowledged", comment=COMMENT,
+                           triaged_at=BASE_TIME + timedelta(hours=5),
+                           opened_at=BASE_TIME + timedelta(hours=2))
+        untriaged = Regression(fingerprint=fingerprint_of(GDN), scenario="prefill_hit",
+                               metric="kl_k3_mean", config=GDN, matrix="smoke", state="open",
+                               first_run_id=rel, last_run_id=rel, runs_seen=1,
+                               opened_at=BASE_TIME + timedelta(hours=3))
+        gdn_first, gdn_next = ids[("job-aaa111", GDN)], ids[("job-bbb222", GDN)]
+        fixed = Regression(fingerprint=fingerprint_of(GDN), scenario="cold", metric="kl_k3_mean",
+                           config=GDN, matrix="smoke", state="resolved", first_run_id=gdn_first,
+                           last_run_id=gdn_first, resolved_run_id=gdn_next, runs_seen=1,
+                           triage="fixed", comment="fixed by pr-fix", opened_at=BASE_TIME,
+                           resolved_at=BASE_TIME + timedelta(hours=1))
+        s.add_all([acked, untriaged, fixed])
+        s.flush()
+        steps = [  # the bad end run, the midpoint's stored run reused, then the next midpoint
+            {"sha": SHAS[4], "run_id": bad, "job_id": "job-ccc333", "reused": False, "bad": True,
+             "verdict": "regression", "reason": "mean KL (k3) 0.05 above the limit"},
+            {"sha": SHAS[1], "run_id": good, "job_id": None, "reused": True, "bad": False,
+             "verdict": "pass", "reason": ""},
+            {"sha": SHAS[2], "run_id": bad, "job_id": "job-ccc333", "reused": False, "bad": True,
+             "verdict": "regression", "reason": "mean KL (k3) 0.05 above the limit"}]
+        spec = {"matrix": "smoke", "config": MAMBA, "scenario": "prefill_hit"}
+        s.add_all([
+            Bisection(id=DONE, repository="https://github.com/sgl-project/sglang", good=GOOD_SHA,
+                      bad=SHAS[4], matrix="smoke", config=MAMBA, scenario="prefill_hit",
+                      metric="kl_k3_mean", spec=spec, status="done", candidates=SHAS, steps=steps,
+                      first_bad=SHAS[2], runs_used=2, regression_id=acked.id,
+                      created_at=BASE_TIME + timedelta(hours=6),
+                      finished_at=BASE_TIME + timedelta(hours=7)),
+            Bisection(id=FAILED, repository="https://github.com/sgl-project/sglang", good=GOOD_SHA,
+                      bad=SHAS[1], matrix="smoke", config=GDN, scenario="prefill_hit", metric=None,
+                      spec=spec, status="failed", candidates=SHAS[:2], steps=[], runs_used=0,
+                      error=FAILED_WHY, created_at=BASE_TIME + timedelta(hours=8))])
 
 
 def make_client(store_dir: Path, **overrides) -> TestClient:
@@ -198,9 +280,191 @@ def test_sample_page_marks_the_first_divergence(client, store_dir):
     assert client.get(f"/runs/{rid}/samples/b").status_code == 422  # in two scenarios
 
 
+def regression_ids(client: TestClient) -> dict[tuple[str, str], int]:
+    return {(r["config"], r["scenario"]): r["id"] for r in client.get("/api/v1/regressions").json()}
+
+
+def row(html: str, attr: str, value: object) -> str:
+    """The table row (``<tr ...>`` .. ``</tr>``) whose ``attr`` is ``value``."""
+    at = html.index(f'{attr}="{value}"')
+    start = html.rindex("<tr", 0, at)
+    return html[start:html.index("</tr>", at)]
+
+
+def test_overview_counts_the_open_regressions(client):
+    html = client.get("/").text
+    summary = re.search(r'<p class="open-regressions has-open">(.*?)</p>', html, re.S).group(1)
+    assert re.search(r'href="http://testserver/regressions">2 open regressions</a>, '
+                     r'<span class="untriaged-count">1 untriaged</span>', summary)
+
+
+def test_regressions_page_shows_open_ones_first_with_triage_and_evidence(client):
+    ids = regression_ids(client)
+    acked, untriaged, fixed = ids[(MAMBA, "prefill_hit")], ids[(GDN, "prefill_hit")], ids[(GDN, "cold")]
+    resp = client.get("/regressions")
+    assert resp.status_code == 200
+    html = resp.text
+    assert 'href="http://testserver/regressions">Regressions</a>' in html  # in the nav
+    # open (newest first), then resolved
+    assert re.findall(r'<tr id="regression-(\d+)"', html) == [str(untriaged), str(acked), str(fixed)]
+    assert (html.index("<h2>Open (2)</h2>") < html.index(f'id="regression-{acked}"')
+            < html.index("<h2>Resolved (1)</h2>") < html.index(f'id="regression-{fixed}"'))
+
+    bad, good = run_id(client, "job-ccc333", MAMBA), run_id(client, "job-bbb222", MAMBA)
+    a = row(html, "data-regression", acked)
+    assert '<span class="badge v-open">open</span>' in a
+    assert '<span class="triage triage-acknowledged">acknowledged</span>' in a
+    assert ('<div class="comment">&lt;b&gt;snapshot race&lt;/b&gt; in the extra buffer: looking'
+            '</div>') in a and "<b>snapshot race" not in html
+    assert "2026-03-01 05:00 UTC" in a  # triaged at
+    assert re.search(rf'class="first-bad"><a href="/runs/{bad}"[^>]*><code>ccc333</code>', a)
+    assert re.search(rf'class="last-good"><a href="/runs/{good}"[^>]*><code>bbb222</code>', a)
+    # the evidence of the verdict that opened it
+    assert ('<span class="method">history</span>: <span class="value">0.05</span> vs baseline '
+            '<span class="baseline">1.5e-13</span>') in a
+    assert 'difference <span class="interval">[0.0412, 0.0588]</span> at 95%, 3 samples vs 6' in a
+    assert 'effect floor <span class="threshold">2.5e-09</span>' in a
+    assert 'p = <span class="p-value">3.2e-05</span>' in a
+    assert f'<a href="/runs/{good}">{good}</a>' in a  # a baseline run
+    assert re.search(rf'href="http://testserver/bisections/{DONE}">{DONE}</a> '
+                     rf'<span class="badge v-done">done</span> first bad <code>{SHAS[2][:10]}</code>', a)
+
+    u = row(html, "data-regression", untriaged)
+    assert '<span class="triage triage-untriaged">untriaged</span>' in u and 'class="comment"' not in u
+    assert 'class="last-good"><span class="muted">-</span>' in u
+    assert '<span class="method">change_point</span>: <span class="value">2e-12</span>' in u
+    assert 'effect floor <span class="threshold">3e-12</span>' in u
+    assert 'p = <span class="p-value">0.004</span>' in u
+    assert "change point: 1.5e-13 → 2e-12 at this run" in u
+    assert '<td class="bisections"><span class="muted">none</span>' in u
+
+    f = row(html, "data-regression", fixed)
+    assert '<span class="badge v-resolved">resolved</span>' in f
+    assert '<span class="triage triage-fixed">fixed</span>' in f and "fixed by pr-fix" in f
+    resolver = run_id(client, "job-bbb222", GDN)
+    assert f'resolved 2026-03-01 01:00 UTC by <a href="/runs/{resolver}">run {resolver}</a>' in f
+    assert "no verdict recorded" in f
+
+    # how to triage: the dashboard does not write
+    curl = html_lib.unescape(re.search(r'<pre id="triage-curl">(.*?)</pre>', html, re.S).group(1))
+    assert curl == (f"curl -X PATCH http://testserver/api/v1/regressions/{untriaged} -H "
+                    """'content-type: application/json' -d '{"triage": "acknowledged", """
+                    """"comment": "looking into it"}'""")
+    assert "Authorization" not in curl  # this service has no write token
+
+
+def test_the_triage_command_works_against_the_api(store_dir, tmp_path):
+    """The curl a regression's row shows, sent as it is (on a copy of the store), triages it."""
+    (tmp_path / "store.db").write_bytes((store_dir / "store.db").read_bytes())
+    with make_client(tmp_path, api_token="write-secret") as c:
+        fixed = regression_ids(c)[(GDN, "cold")]
+        html = c.get("/regressions").text
+        command = html_lib.unescape(re.search(r'<pre>(curl .*?)</pre>',
+                                              row(html, "data-regression", fixed), re.S).group(1))
+        args = shlex.split(command.replace("$EVALSVC_API_TOKEN", "write-secret"))
+        assert args[:3] == ["curl", "-X", "PATCH"]
+        url = args[3]
+        headers = dict(h.split(": ", 1) for flag, h in zip(args[4::2], args[5::2], strict=True)
+                       if flag == "-H")
+        assert headers["Authorization"] == "Bearer write-secret"
+        body = args[args.index("-d") + 1]
+        resp = c.request("PATCH", url, headers=headers, content=body)
+        assert resp.status_code == 200, resp.text
+        assert (resp.json()["triage"], resp.json()["comment"]) == ("acknowledged", "looking into it")
+        f = row(c.get("/regressions").text, "data-regression", fixed)
+        assert '<span class="triage triage-acknowledged">acknowledged</span>' in f
+        assert "looking into it" in f and "fixed by pr-fix" not in f
+
+
+def test_bisections_page_lists_them_newest_first(client):
+    acked = regression_ids(client)[(MAMBA, "prefill_hit")]
+    html = client.get("/bisections").text
+    assert 'href="http://testserver/bisections">Bisections</a>' in html  # in the nav
+    assert re.findall(r'<tr data-bisection="([^"]+)"', html) == [FAILED, DONE]
+    done = row(html, "data-bisection", DONE)
+    assert '<span class="badge v-done">done</span>' in done
+    assert '<td class="runs-used">2 <span class="muted">of at most 4</span></td>' in done
+    assert f'<code class="first-bad" title="{SHAS[2]}">{SHAS[2][:10]}</code>' in done
+    assert f'href="http://testserver/regressions#regression-{acked}">#{acked}</a>' in done
+    assert "mamba2-eb-ov-c64 / prefill_hit / kl_k3_mean" in done
+    failed = row(html, "data-bisection", FAILED)
+    assert f'<span class="error" title="{html_lib.escape(FAILED_WHY)}">failed</span>' in failed
+    assert "gdn-eb-ov-c64 / prefill_hit / any failure" in failed
+
+
+def test_bisection_page_shows_its_steps_and_the_first_bad_commit(client):
+    bad, good = run_id(client, "job-ccc333", MAMBA), run_id(client, "job-bbb222", MAMBA)
+    html = client.get(f"/bisections/{DONE}").text
+    assert f'<td id="first-bad"><code class="first-bad">{SHAS[2]}</code></td>' in html
+    assert f'<code class="good">{GOOD_SHA}</code>' in html and f'<code class="bad">{SHAS[4]}</code>' in html
+    assert re.search(r'class="candidates-count">5<', html)
+    assert ('2 of at most <span class="bound">4</span> <span class="muted">(ceil(log2(5)) = 3, '
+            '+ 1: the bad end was run; 1 stored run reused)</span>') in html
+    steps = re.findall(r'<tr class="step ([a-z -]+)" data-sha="([0-9a-f]+)"', html)
+    assert steps == [("bad", SHAS[4]), ("good", SHAS[1]), ("bad first-bad", SHAS[2])]
+    first = row(html, "data-sha", SHAS[4])
+    assert 'href="http://testserver/jobs/job-ccc333">job job-ccc333</a>' in first
+    assert f'<a href="/runs/{bad}">run {bad}</a>' in first
+    assert "mean KL (k3) 0.05 above the limit" in first
+    reused = row(html, "data-sha", SHAS[1])
+    assert "stored run (reused)" in reused and f'<a href="/runs/{good}">run {good}</a>' in reused
+    assert f"{SHAS[2][:10]}</code> <strong>first bad</strong>" in row(html, "data-sha", SHAS[2])
+    assert re.findall(r'<li class="candidate ([a-z_]+)"><code>([0-9a-f]+)</code>', html) == [
+        ("untested", SHAS[0]), ("good", SHAS[1]), ("first_bad", SHAS[2]), ("untested", SHAS[3]),
+        ("bad", SHAS[4])]
+
+    failed = client.get(f"/bisections/{FAILED}").text
+    assert f'<td id="first-bad"><span class="error">{html_lib.escape(FAILED_WHY)}</span>' in failed
+    assert "No steps yet." in failed and 'class="first-bad"' not in failed
+
+
+@pytest.mark.parametrize(("n", "steps", "bound"), [
+    (5, [], 3), (4, [], 2), (1, [{"sha": "c0", "reused": False, "bad": True}], 1),
+    (5, [{"sha": "c4", "reused": True, "bad": True}], 3),
+    (5, [{"sha": "c4", "reused": False, "bad": True}], 4), (0, [], None)])
+def test_bisection_bound(n, steps, bound):
+    candidates = [f"c{i}" for i in range(n)]
+    b = bisection_view({"candidates": candidates, "bad": candidates[-1] if n else "c0",
+                        "steps": steps, "first_bad": None})
+    assert b["bound"] == bound
+
+
+def test_run_page_lists_the_verdicts(client):
+    rid = run_id(client, "job-ccc333", MAMBA)
+    html = client.get("/jobs/job-ccc333").text
+    section = html[html.index(f'id="run-{rid}"'):]
+    section = section[:section.index("</section>")]
+    regression = row(section, "data-scenario", "prefill_hit")
+    assert regression.startswith('<tr class="row-regression" data-scenario="prefill_hit" '
+                                 'data-metric="kl_k3_mean" data-verdict="regression">')
+    cells = dict(re.findall(r'<td class="([a-z-]+)">(.*?)</td>', regression, re.S))
+    assert cells == {"method": "history", "value": "0.05",
+                     "baseline": '1.5e-13 <span class="muted">(2 runs)</span>',
+                     "interval": '[0.0412, 0.0588] <span class="muted">95%</span>',
+                     "threshold": '2.5e-09 <span class="muted">effect floor</span>',
+                     "p-value": "3.2e-05",
+                     "reason": "mean KL (k3) 0.05 against 1.5e-13 over 2 earlier runs"}
+    passed = row(section, "data-scenario", "cold")
+    assert 'class="row-pass"' in passed and '<td class="threshold">1e-08 <span class="muted">limit' in passed
+    other = run_id(client, "job-ccc333", GDN)
+    other_section = html[html.index(f'id="run-{other}"'):]
+    assert "No verdicts recorded for this run." in other_section[:other_section.index("</section>")]
+
+
+def test_empty_store_says_so(tmp_path):
+    with make_client(tmp_path) as c:
+        assert re.search(r'<p class="open-regressions">\s*<a href="[^"]+">No open regressions</a>',
+                         c.get("/").text)
+        html = c.get("/regressions").text
+        assert "No open regressions." in html and "No resolved regressions." in html
+        assert "api/v1/regressions/REGRESSION_ID" in html
+        assert "No bisections." in c.get("/bisections").text
+
+
 @pytest.mark.parametrize("path", [
     "/jobs/no-such-job", "/runs/999999", "/runs/999999/samples/a",
-    "/runs/1/samples/no-such-sample", "/runs/1/samples/a?scenario=host_tier"])
+    "/runs/1/samples/no-such-sample", "/runs/1/samples/a?scenario=host_tier",
+    "/bisections/no-such-bisection"])
 def test_unknown_things_are_404(client, path):
     resp = client.get(path, follow_redirects=False)
     assert resp.status_code == 404 and "Not found" in resp.text
@@ -209,7 +473,8 @@ def test_unknown_things_are_404(client, path):
 def test_pages_need_the_read_token(store_dir):
     with make_client(store_dir, api_token="write-secret", read_token="read-secret") as c:
         for path in ("/", "/commits", "/jobs", "/jobs/job-aaa111", "/compare", "/runs/1",
-                     "/runs/1/samples/a?scenario=cold"):
+                     "/runs/1/samples/a?scenario=cold", "/regressions", "/bisections",
+                     f"/bisections/{DONE}"):
             assert c.get(path).status_code == 401, path
             assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
             for token in ("read-secret", "write-secret"):
