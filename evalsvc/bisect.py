@@ -40,18 +40,21 @@ class BisectCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    repository: str | None = Field(None, description="git repository (path or URL)")
-    good: str | None = Field(None, description="a commit where the config passes")
-    bad: str | None = Field(None, description="a later commit where it fails")
-    matrix: str = Field("smoke", description="matrix name under configs/")
-    config: str | None = Field(None, description="the failing config of the matrix")
-    scenario: str | None = Field(None, description="the failing scenario")
-    metric: str | None = Field(None, description="kl_k3_mean or accept_length; none: any failure "
-                                                 "of the scenario")
-    patches: list[str] = Field(default_factory=list)
+    repository: str | None = Field(None, max_length=500,
+                                     description="git repository (path or URL)")
+    good: str | None = Field(None, max_length=200, description="a commit where the config passes")
+    bad: str | None = Field(None, max_length=200, description="a later commit where it fails")
+    matrix: str = Field("smoke", max_length=100, description="matrix name under configs/")
+    config: str | None = Field(None, max_length=200, description="the failing config of the matrix")
+    scenario: str | None = Field(None, max_length=40, description="the failing scenario")
+    metric: str | None = Field(None, max_length=80,
+                               description="kl_k3_mean or accept_length; none: any failure of "
+                                           "the scenario")
+    patches: list[str] = Field(default_factory=list, max_length=20)
     workload: dict[str, Any] | None = Field(None, description="overrides of the matrix workload")
-    regression_id: int | None = Field(None, description="bisect this regression: the fields above "
-                                                        "default to its series and commits")
+    regression_id: int | None = Field(None, ge=1, le=2**31 - 1,
+                                      description="bisect this regression: the fields above "
+                                                  "default to its series and commits")
 
 
 class Bisector:
@@ -293,5 +296,6 @@ def _resolve(mirror, ref: str, what: str) -> str:
 
 def _workload_overrides(job_spec: dict[str, Any]) -> dict[str, Any] | None:
     """The workload a job ran, as overrides of its matrix's, so that the steps measure the same."""
-    workload = (job_spec.get("matrix") or {}).get("workload")
+    matrix = job_spec.get("matrix")
+    workload = matrix.get("workload") if isinstance(matrix, dict) else None
     return dict(workload) if workload else None

@@ -157,14 +157,18 @@ def run(
         from evalsvc.settings import Settings
         from evalsvc.store.db import Store
         from evalsvc.store.record import record_results
+        from evalsvc.verdicts import judge_recorded
 
         settings = Settings()
         db = Store(settings.resolved_database_url())
         try:
-            record_results(db, job_id=job_id, trigger="cli", build=build_info, matrix=mat.name,
-                           spec={"matrix": mat.name, "engine": kind, "configs": configs or None,
-                                 "build": build_info.ref, "patches": build_info.patches},
-                           results=results, results_dir=settings.results_dir())
+            run_ids = record_results(
+                db, job_id=job_id, trigger="cli", build=build_info, matrix=mat.name,
+                spec={"matrix_name": mat.name, "matrix": mat.model_dump(mode="json"),
+                      "engine": kind, "configs": configs or None, "build": build_info.ref,
+                      "patches": build_info.patches},
+                results=results, results_dir=settings.results_dir())
+            judge_recorded(db, run_ids)
         finally:
             db.close()
         console.print(f"recorded as job {job_id} of build {build_info.ref}"

@@ -245,7 +245,7 @@ def baseline_series(session: Session, run: Run, candidates: list[Run], scenario:
 def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile) -> Limits:
     """The limits in force for a run's config and a scenario, from the job's matrix."""
     spec = run.job.spec or {}
-    matrix = spec.get("matrix") or {}
+    matrix = spec.get("matrix") if isinstance(spec.get("matrix"), dict) else {}
     model = (matrix.get("models") or {}).get(run.model) or {}
     floor = None
     if (run.settings or {}).get("mtp"):
@@ -355,3 +355,16 @@ def last_good_run(session: Session, run: Run, scenario: str, metric: str) -> int
         if v in ("pass", "improvement"):
             return r.id
     return None
+
+
+def judge_recorded(store, run_ids: list[int], track_regressions: bool = False) -> list[Verdict]:
+    """Judge runs recorded outside the job service (``evalsvc run --store``), each in a
+    transaction of its own, oldest first; optionally tracking their regressions."""
+    out = []
+    for run_id in run_ids:
+        with store.session() as s:
+            verdicts = judge_run(s, run_id)
+            if track_regressions:
+                track(s, s.get(Run, run_id), verdicts)
+            out.extend(verdicts)
+    return out

@@ -1,0 +1,28 @@
+"""No false alarms: the defect-free engine evaluated 20 times with different sampling seeds, each
+evaluation judged against the ones before it as the next commit of a tracked series, raises no
+regression. The config is the MTP one with the most scenarios, so both KL and acceptance are
+judged by fixed limits, the history test (from the fourth evaluation on) and change points (from
+the eighth). ``benchmarks/detection.py false-alarms`` does the same over the whole smoke matrix."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.detection import false_alarms
+from evalsvc.store.db import Store
+
+pytestmark = pytest.mark.slow
+
+
+def test_twenty_clean_evaluations_raise_no_alarm(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        out = false_alarms(store, tmp_path, seeds=20, num_prompts=4,
+                           configs=["gdn-nb-sync-nochunk-mtp"], progress=lambda _: None)
+    finally:
+        store.close()
+    assert out["runs"] == 20
+    assert out["regression_verdicts"] == [] and out["regressions_opened"] == 0
+    # the history test really ran, on both metrics of every scenario but the first three times
+    assert out["verdicts"].get("pass/history", 0) >= 17 * 5
+    assert out["inconclusive"] == []
