@@ -214,6 +214,8 @@ class Bisector:
             body = self._step_body(spec, f"git:{spec['repository']}@{sha}")
             job_id = self.jobs.submit(body, trigger="bisect", extra={"bisection": bisect_id},
                                       trusted=True)
+            with self.store.session() as s:  # counted when it starts, whatever its outcome
+                s.get(Bisection, bisect_id).runs_used += 1
             run_id = self._wait(job_id, sha)
         bad, verdict, reason = self._judge(spec, run_id, sha)
         step = {"sha": sha, "run_id": run_id, "job_id": job_id, "reused": reused,
@@ -221,7 +223,6 @@ class Bisector:
         with self.store.session() as s:
             b = s.get(Bisection, bisect_id)
             b.steps = [*b.steps, step]
-            b.runs_used += 0 if reused else 1
         log.info("bisection %s: %s is %s%s", bisect_id, sha[:10], "bad" if bad else "good",
                  " (stored run)" if reused else "")
         if on_step is not None:
