@@ -160,7 +160,9 @@ def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
                       "scenarios": {s.scenario: s.verdict for s in r.scenarios}} for r in runs]}
 
 
-def run_detail(session: Session, run_id: int) -> dict[str, Any] | None:
+def run_detail(session: Session, run_id: int,
+               verdicts: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """One run with its scenarios, metrics and verdicts (``verdicts``: read already)."""
     run = session.get(Run, run_id, options=[selectinload(Run.scenarios),
                                             selectinload(Run.metrics),
                                             selectinload(Run.build).selectinload(Build.commit)])
@@ -181,7 +183,7 @@ def run_detail(session: Session, run_id: int) -> dict[str, Any] | None:
             "scenarios": [{"scenario": s.scenario, "verdict": s.verdict, "reason": s.reason,
                            "seconds": s.seconds, "metrics": metrics.get(s.scenario, {})}
                           for s in run.scenarios],
-            "verdicts": run_verdicts(session, run_id)}
+            "verdicts": run_verdicts(session, run_id) if verdicts is None else verdicts}
 
 
 def verdict_dict(v: Verdict) -> dict[str, Any]:
@@ -392,7 +394,11 @@ def job_runs(session: Session, job_id: str) -> list[dict[str, Any]]:
     runs = session.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id)
                            .options(selectinload(Run.scenarios), selectinload(Run.metrics),
                                     selectinload(Run.build).selectinload(Build.commit))).all()
-    return [run_detail(session, r.id) for r in runs]
+    verdicts: dict[int, list[dict[str, Any]]] = {r.id: [] for r in runs}
+    for v in session.scalars(select(Verdict).where(Verdict.run_id.in_(list(verdicts)))
+                             .order_by(Verdict.id)):
+        verdicts[v.run_id].append(verdict_dict(v))
+    return [run_detail(session, r.id, verdicts[r.id]) for r in runs]
 
 
 def run_samples(session: Session, run_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
