@@ -141,8 +141,12 @@ def run_service_demo(matrix: str) -> int:
             for col in ("config", "scenario", "KL k3 mean [95% CI]", "hit cov.", "accept len",
                         "verdict"):
                 table.add_column(col, no_wrap=True)
+            judged: dict[str, int] = {}
             for run in job["runs"]:
                 detail = client.get(f"/api/v1/runs/{run['id']}").json()
+                for v in detail["verdicts"]:
+                    key = f"{v['verdict']} ({v['method']})"
+                    judged[key] = judged.get(key, 0) + 1
                 for scen in detail["scenarios"]:
                     m = scen["metrics"]
                     kl = m.get("kl_k3_mean") or {}
@@ -154,6 +158,8 @@ def run_service_demo(matrix: str) -> int:
                                   "" if cov is None else f"{cov:.2f}",
                                   "" if acc is None else f"{acc:.2f}", scen["verdict"])
             console.print(table)
+            console.print("verdicts per scenario and metric: " + ", ".join(
+                f"{n} {k}" for k, n in sorted(judged.items())))
             console.print(
                 f"Where to read the results:\n"
                 f"  database     {settings.resolved_database_url()}\n"
@@ -161,7 +167,7 @@ def run_service_demo(matrix: str) -> int:
                 f"  engine logs  {settings.data_dir / 'logs' / job_id}\n"
                 f"  export       .venv/bin/evalsvc export out/{job_id}.csv --job {job_id}\n"
                 f"  browse       .venv/bin/evalsvc serve, then http://127.0.0.1:8000/jobs/{job_id} "
-                f"(dashboard), /api/v1/jobs/{job_id} (REST), /docs (OpenAPI)")
+                f"(dashboard), /regressions, /api/v1/jobs/{job_id} (REST), /docs (OpenAPI)")
             return 0 if job["status"] == "done" else 1
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
