@@ -1,0 +1,95 @@
+"""Bisection: what it refuses (naming the field), and `evalsvc bisect` run here end to end."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from evalsvc.bisect import BisectCreate, Bisector
+from evalsvc.cli import app as cli
+from evalsvc.dispatch.local import LocalDispatcher
+from evalsvc.jobs import JobError, JobService
+from evalsvc.settings import Settings
+from evalsvc.store.db import Store
+from evalsvc.store.models import Bisection, Job
+
+
+def make_repo(path: Path, defects: list[bool]) -> list[str]:
+    """A repository whose i-th commit switches snapshot-race on when ``defects[i]``."""
+    path.mkdir()
+    shas = []
+
+    def git(*args, day=0):
+        when = f"2026-03-{day + 1:02d}T00:00:00Z"
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
+                               *args], cwd=path, check=True, capture_output=True, text=True,
+                              env={"GIT_AUTHOR_DATE": when, "GIT_COMMITTER_DATE": when,
+                                   "PATH": "/usr/bin:/bin"}).stdout.strip()
+
+    git("init", "-q", "-b", "main")
+    for i, on in enumerate(defects):
+        (path / "evalsvc-engine.yaml").write_text(yaml.safe_dump(
+            {"defects": {"snapshot-race": 1.0} if on else {}}))
+        (path / "CHANGES").write_text(f"c{i}\n")
+        git("add", "-A", day=i)
+        git("commit", "-qm", f"c{i}", day=i)
+        shas.append(git("rev-parse", "HEAD"))
+    return shas
+
+
+@pytest.fixture
+def bisector(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVALSVC_DATA_DIR", str(tmp_path / "data"))
+    settings = Settings(data_dir=tmp_path / "data",
+                        database_url=f"sqlite:///{tmp_path / 'b.db'}")
+    store = Store(settings.resolved_database_url())
+    jobs = JobService(settings, store, LocalDispatcher(1))
+    yield Bisector(store, jobs)
+    jobs.stop()
+    store.close()
+
+
+def test_bad_bisections_are_refused_naming_the_field(tmp_path, bisector):
+    good, mid, bad = make_repo(tmp_path / "repo", [False, False, True])
+    base = {"repository": str(tmp_path / "repo"), "good": good, "bad": bad,
+            "config": "mamba2-eb-ov-c64", "scenario": "prefill_hit"}
+
+    def refused(match, trusted=True, **change):
+        with pytest.raises(JobError, match=match):
+            bisector.submit(BisectCreate(**{**base, **change}), start=False, trusted=trusted)
+
+    refused(r"builds\[0\].source: .* is not an allowed build source", trusted=False)
+    refused(r"scenario: unknown 'warm'", scenario="warm")
+    refused(r"config: 'nope' not in matrix smoke", config="nope")
+    refused(r"scenario: config mamba2-eb-ov-c64 does not run 'host_tier'", scenario="host_tier")
+    refused(r"metric: unknown 'speed'", metric="speed")
+    refused(r"good: no commit 'f00dfeed'", good="f00dfeed")
+    refused(r"good: .* is not an ancestor of bad", good=bad, bad=good)
+    refused(r"bad: the same commit as good", bad=good)
+    refused(r"repository: required", repository=None)
+    refused(r"regression_id: no regression 7", regression_id=7)
+    with bisector.store.session() as s:  # nothing stored
+        assert s.query(Bisection).count() == 0 and s.query(Job).count() == 0
+    bisect_id = bisector.submit(BisectCreate(**base), start=False, trusted=True)
+    with bisector.store.session() as s:
+        assert s.get(Bisection, bisect_id).candidates == [mid, bad]
+
+
+@pytest.mark.slow
+def test_evalsvc_bisect_finds_the_first_bad_commit_here(tmp_path, monkeypatch):
+    shas = make_repo(tmp_path / "repo", [False, False, False, True, True])
+    monkeypatch.setenv("EVALSVC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("EVALSVC_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
+    out = CliRunner().invoke(cli, ["bisect", "--repo", str(tmp_path / "repo"), "--good", shas[0],
+                                   "--bad", shas[-1], "--config", "mamba2-eb-ov-c64",
+                                   "--scenario", "prefill_hit", "--num-prompts", "4"])
+    assert out.exit_code == 0, out.output
+    assert "bisection bisect-" in out.output and "4 candidate commits" in out.output
+    runs = int(out.output.split(f"first bad commit: {shas[3]} (")[1].split(" run")[0])
+    assert runs <= math.ceil(math.log2(4)) + 1
+    assert out.output.count(" bad  ") + out.output.count(" good ") == runs
