@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pytest-xdist processes (the slow tests are engine-bound: one core each)
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint setup clean chromium
+.PHONY: run test lint lint-docker setup clean chromium
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ test: $(STAMP) chromium
 
 lint: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks
+
+# the Dockerfiles (hadolint) and docker/compose.yaml (Compose Specification schema), no Docker needed
+lint-docker: $(STAMP)
+	$(BIN)/hadolint --failure-threshold style docker/Dockerfile.service docker/Dockerfile.worker
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache
