@@ -16,10 +16,12 @@ every evaluation is judged against the ones before it and its regressions tracke
 regression verdicts and regressions opened (the target is none), and the verdicts by method.
 
 strength: per sample count (``--sizes``: prompts per scenario), three clean evaluations form the
-baseline; then each defect, at decreasing strength (the fraction of requests it acts on), is run
-on the configs where it acts and judged against that baseline alone (the run is removed after),
-until a strength is not caught. Reports, per defect, config and scenario, the weakest strength
-caught and the metric that caught it (KL for the state bugs, acceptance for the MTP one).
+baseline; then each defect, at every strength (the fraction of requests it acts on), is run on
+the configs where it acts and judged against that baseline alone (the run is removed after).
+Reports, per defect, config and scenario, the weakest strength caught, the stronger ones missed
+(a defect's effect need not grow with its strength), the verdict, value and baseline at each
+strength, for the metric that shows the defect (KL for the state bugs, acceptance for the MTP
+one).
 
 Results go to ``benchmarks/results/detection-*.json``; BENCHMARKS.md quotes them.
 """
@@ -123,38 +125,37 @@ def strength(store: Store, work: Path, sizes: list[int], strengths: list[float],
                               label=f"base-{size}-{i}", day=i, work=work)
         progress(f"{size} prompts: baseline recorded")
         for defect, (metric, pairs) in ACTS.items():
-            weakest: dict[tuple[str, str], dict[str, Any]] = {}
-            alive = set(pairs)
-            for st in strengths:
-                if not alive:
-                    break
+            seen: dict[tuple[str, str], list[dict[str, Any]]] = {p: [] for p in pairs}
+            for st in strengths:  # every strength: detection need not fall monotonically
                 run_ids = evaluate_recorded(
-                    store, matrix, sorted({c for c, _ in alive}), seed=100, num_prompts=size,
+                    store, matrix, sorted({c for c, _ in pairs}), seed=100, num_prompts=size,
                     label=f"{defect}@{st}-{size}", day=10, work=work, defects=f"{defect}@{st}")
                 with store.session() as s:
-                    got = {(cfg, scen): (v, method, reason) for cfg, scen, v, method, reason in
-                           s.execute(select(Run.config, Verdict.scenario, Verdict.verdict,
-                                            Verdict.method, Verdict.reason)
-                                     .join(Run, Run.id == Verdict.run_id)
-                                     .where(Verdict.run_id.in_(run_ids),
-                                            Verdict.metric == metric))}
+                    got = {(r.config, r.scenario): r for r in s.execute(
+                        select(Run.config, Verdict.scenario, Verdict.verdict, Verdict.method,
+                               Verdict.value, Verdict.baseline, Verdict.reason)
+                        .join(Run, Run.id == Verdict.run_id)
+                        .where(Verdict.run_id.in_(run_ids), Verdict.metric == metric))}
                     s.execute(delete(Run).where(Run.id.in_(run_ids)))  # judged alone
-                for pair in sorted(alive):
-                    verdict, method, reason = got.get(pair, ("missing", None, None))
-                    if verdict == "regression":
-                        weakest[pair] = {"strength": st, "method": method, "reason": reason}
-                    else:
-                        alive.discard(pair)
-                progress(f"{size} prompts: {defect}@{st}: "
-                         + ", ".join(f"{c}/{s_}={got.get((c, s_), ('missing',))[0]}"
-                                     for c, s_ in pairs))
-            for pair in pairs:
-                found = weakest.get(pair)
+                for pair in pairs:
+                    r = got.get(pair)
+                    seen[pair].append({"strength": st, "verdict": r.verdict if r else "missing",
+                                       "method": r.method if r else None,
+                                       "value": r.value if r else None,
+                                       "baseline": r.baseline if r else None})
+                progress(f"{size} prompts: {defect}@{st}: " + ", ".join(
+                    f"{c}/{sc}={seen[(c, sc)][-1]['verdict']}" for c, sc in pairs))
+            for pair, tries in seen.items():
+                caught = [t for t in tries if t["verdict"] == "regression"]
+                weakest = min(caught, key=lambda t: t["strength"]) if caught else None
                 rows.append({"defect": defect, "config": pair[0], "scenario": pair[1],
                              "metric": metric, "num_prompts": size,
-                             "weakest_strength": found["strength"] if found else None,
-                             "method": found["method"] if found else None,
-                             "reason": found["reason"] if found else None})
+                             "weakest_strength": weakest["strength"] if weakest else None,
+                             "method": weakest["method"] if weakest else None,
+                             "missed_above": [t["strength"] for t in tries if weakest
+                                              and t["strength"] > weakest["strength"]
+                                              and t["verdict"] != "regression"],
+                             "tries": tries})
     return rows
 
 

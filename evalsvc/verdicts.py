@@ -8,10 +8,11 @@ A metric is judged in this order, and the first rule that decides wins:
 2. fixed limits (``configs/thresholds.yaml``): bit-exactness under deterministic inference, the KL
    maximum, the acceptance floor;
 3. history: the contender's per-sample values against those of the fingerprint's earlier runs
-   (same patch set, before it in commit order, not themselves flagged), Welch's interval on the
-   difference of means; a regression needs the interval to exclude no change (statistically
-   clear) and the difference to exceed the effect floor (large enough to matter); an improvement
-   the same the other way;
+   (same patch set, before it in commit order, not themselves flagged): per sample (the same
+   prompt), the contender's value minus the baseline runs' mean for it, and Student's interval on
+   the mean difference (Welch's between the groups when samples cannot be paired); a regression
+   needs the interval to exclude no change (statistically clear) and the difference to exceed the
+   effect floor (large enough to matter); an improvement the same the other way;
 4. change point: the series of per-run values, the contender last, searched for one lasting shift
    in the mean (a permutation test); a significant shift of at least the effect floor in the bad
    direction, with the contender after it, is a regression too.
@@ -37,7 +38,7 @@ from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
 from evalsvc.harness import worst
-from evalsvc.metrics.stats import change_point, welch_difference
+from evalsvc.metrics.stats import change_point, paired_t_interval, welch_difference
 from evalsvc.store.models import (
     Build,
     Commit,
@@ -80,14 +81,15 @@ class Series:
 
     run_ids: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)  # the scenario's metric per run
-    samples: list[np.ndarray] = field(default_factory=list)  # per-sample values per run
+    samples: list[dict[str, float]] = field(default_factory=list)  # sample id -> value, per run
 
 
-def judge_metric(scenario: str, metric: str, value: float | None, samples: np.ndarray,
+def judge_metric(scenario: str, metric: str, value: float | None, samples: dict[str, float],
                  limits: Limits, history: Series, settings: HistorySettings, *,
                  coverage: float | None = None, exact_fraction: float | None = None
                  ) -> Judgement | None:
-    """One metric of one scenario; None when the scenario has no such metric."""
+    """One metric of one scenario (``samples``: the contender's value per sample id); None when
+    the scenario has no such metric."""
     if value is None:
         return None
     sign = METRICS[metric]
@@ -121,7 +123,7 @@ def judge_metric(scenario: str, metric: str, value: float | None, samples: np.nd
     return _judge_history(j, samples, limits, history, settings)
 
 
-def _judge_history(j: Judgement, samples: np.ndarray, limits: Limits, history: Series,
+def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, history: Series,
                    settings: HistorySettings) -> Judgement:
     sign, label = METRICS[j.metric], LABELS[j.metric]
     base_runs = history.run_ids[-settings.window:]
@@ -129,17 +131,18 @@ def _judge_history(j: Judgement, samples: np.ndarray, limits: Limits, history: S
     if len(base_runs) < settings.min_runs:
         j.evidence["history"] = f"{len(base_runs)} earlier run(s), {settings.min_runs} needed"
         return j
-    base = np.concatenate(history.samples[-settings.window:])
-    if samples.size < 2 or base.size < 2:
-        j.evidence["history"] = f"too few samples ({samples.size} against {base.size})"
+    window = history.samples[-settings.window:]
+    base = np.array([v for run in window for v in run.values()])
+    if len(samples) < 2 or base.size < 2:
+        j.evidence["history"] = f"too few samples ({len(samples)} against {base.size})"
         return j
-    diff, low, high, p = welch_difference(samples, base, settings.confidence)
+    diff, low, high, p, test, pairs = difference(samples, window, settings.confidence)
     floor = limits.effect_floor(j.metric, float(base.mean()))
     j.method, j.baseline = "history", float(np.mean(history.values[-settings.window:]))
     j.diff_low, j.diff_high, j.threshold, j.p_value = low, high, floor, p
-    j.evidence.update({"baseline_runs": base_runs, "n": int(samples.size),
+    j.evidence.update({"baseline_runs": base_runs, "n": len(samples), "pairs": pairs,
                        "n_baseline": int(base.size), "confidence": settings.confidence,
-                       "test": "welch", "diff": diff})
+                       "test": test, "diff": diff})
     worse_low, worse_high = (low, high) if sign > 0 else (-high, -low)
     worse = sign * diff
     if worse_low > 0 and worse > floor:
@@ -169,6 +172,28 @@ def _judge_history(j: Judgement, samples: np.ndarray, limits: Limits, history: S
                 j.reason = (f"{label} shifted from {cp['before']:.4g} to {cp['after']:.4g} "
                             f"{len(series) - cp['index']} runs ago (p = {cp['p_value']:.2g})")
     return j
+
+
+def difference(contender: dict[str, float], baseline: list[dict[str, float]], confidence: float
+               ) -> tuple[float, float, float, float, str, int]:
+    """The contender's mean against the baseline runs': ``(diff, low, high, p, test, pairs)``.
+
+    Runs of one fingerprint share their prompts (the sample ids), so the sharper test pairs them:
+    per sample, the contender's value minus the mean of the baseline runs' values for that sample,
+    and Student's interval on the mean difference. Without two shared samples, Welch's interval
+    between the two groups of values."""
+    pooled: dict[str, list[float]] = {}
+    for run in baseline:
+        for sample_id, v in run.items():
+            pooled.setdefault(sample_id, []).append(v)
+    shared = [k for k in contender if k in pooled]
+    if len(shared) >= 2:
+        d = [contender[k] - float(np.mean(pooled[k])) for k in shared]
+        diff, low, high, p = paired_t_interval(d, confidence)
+        return diff, low, high, p, "paired_t", len(shared)
+    diff, low, high, p = welch_difference(list(contender.values()),
+                                          [v for vs in pooled.values() for v in vs], confidence)
+    return diff, low, high, p, "welch", 0
 
 
 # ---- the store side --------------------------------------------------------------------------
@@ -228,17 +253,18 @@ def baseline_series(session: Session, run: Run, candidates: list[Run], scenario:
     values = dict(session.execute(select(Metric.run_id, Metric.value).where(
         Metric.run_id.in_([r.id for r in keep]), Metric.scenario == scenario,
         Metric.name == metric)).all())
-    per_run: dict[int, list[float]] = {}
-    for run_id, v in session.execute(select(Sample.run_id, getattr(Sample, metric)).where(
-            Sample.run_id.in_([r.id for r in keep]), Sample.scenario == scenario)):
+    per_run: dict[int, dict[str, float]] = {}
+    for run_id, sample_id, v in session.execute(
+            select(Sample.run_id, Sample.sample_id, getattr(Sample, metric)).where(
+                Sample.run_id.in_([r.id for r in keep]), Sample.scenario == scenario)):
         if v is not None:
-            per_run.setdefault(run_id, []).append(v)
+            per_run.setdefault(run_id, {})[sample_id] = v
     series = Series()
     for r in keep:
         if values.get(r.id) is not None and per_run.get(r.id):
             series.run_ids.append(r.id)
             series.values.append(values[r.id])
-            series.samples.append(np.asarray(per_run[r.id], dtype=np.float64))
+            series.samples.append(per_run[r.id])
     return series
 
 
@@ -274,13 +300,13 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
     for scen, name, value in session.execute(select(Metric.scenario, Metric.name, Metric.value)
                                              .where(Metric.run_id == run_id)):
         metrics.setdefault(scen, {})[name] = value
-    samples: dict[tuple[str, str], list[float]] = {}
-    for row in session.execute(select(Sample.scenario, Sample.kl_k3_mean, Sample.accept_length)
-                               .where(Sample.run_id == run_id)):
+    samples: dict[tuple[str, str], dict[str, float]] = {}
+    for row in session.execute(select(Sample.scenario, Sample.sample_id, Sample.kl_k3_mean,
+                                      Sample.accept_length).where(Sample.run_id == run_id)):
         for metric in METRICS:
             v = getattr(row, metric)
             if v is not None:
-                samples.setdefault((row.scenario, metric), []).append(v)
+                samples.setdefault((row.scenario, metric), {})[row.sample_id] = v
     candidates = earlier_runs(session, run, limit=3 * max(hs.window, hs.change_point_window))
     out: list[Verdict] = []
     for scen_row in run.scenarios:
@@ -291,7 +317,7 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
         for metric in METRICS:
             series = baseline_series(session, run, candidates, scen_row.scenario, metric)
             j = judge_metric(scen_row.scenario, metric, m.get(metric),
-                             np.asarray(samples.get((scen_row.scenario, metric), []), float),
+                             samples.get((scen_row.scenario, metric), {}),
                              limits, series, hs, coverage=m.get("hit_coverage"),
                              exact_fraction=m.get("bit_exact_fraction"))
             if j is None:

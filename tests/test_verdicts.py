@@ -22,13 +22,18 @@ def history(rng, n_runs=5, n=8, mean=1e-13, sd=2e-14) -> Series:
         x = np.abs(rng.normal(mean, sd, n))
         s.run_ids.append(i + 1)
         s.values.append(float(x.mean()))
-        s.samples.append(x)
+        s.samples.append(by_id(x))
     return s
+
+
+def by_id(values) -> dict[str, float]:
+    """Per-sample values keyed by sample id, as the store keeps them (same prompts every run)."""
+    return {f"s{i:03d}": float(v) for i, v in enumerate(values)}
 
 
 def judge(samples, hist=None, metric="kl_k3_mean", limits=KL, scenario="prefill_hit", **kw):
     samples = np.asarray(samples, dtype=float)
-    return judge_metric(scenario, metric, float(samples.mean()), samples, limits,
+    return judge_metric(scenario, metric, float(samples.mean()), by_id(samples), limits,
                         hist if hist is not None else Series(), HS, **kw)
 
 
@@ -92,7 +97,7 @@ def test_acceptance_drop_is_judged_on_its_own_with_kl_unchanged():
         x = rng.normal(2.05, 0.15, 16)
         hist.run_ids.append(i)
         hist.values.append(float(x.mean()))
-        hist.samples.append(x)
+        hist.samples.append(by_id(x))
     j = judge(rng.normal(1.80, 0.15, 16), hist=hist, metric="accept_length")
     assert (j.verdict, j.method) == ("regression", "history"), j
     better = judge(rng.normal(2.30, 0.15, 16), hist=hist, metric="accept_length")
@@ -128,7 +133,7 @@ def test_no_false_alarms_on_noise_and_power_on_a_real_shift():
             x = draw(1e-3)
             hist.run_ids.append(i)
             hist.values.append(float(x.mean()))
-            hist.samples.append(x)
+            hist.samples.append(by_id(x))
         false += judge(draw(1e-3), hist=hist, limits=gpu).verdict == "regression"
         caught += judge(draw(3e-3), hist=hist, limits=gpu).verdict == "regression"
     assert false == 0
@@ -154,7 +159,7 @@ def test_change_point_flags_a_shift_that_single_runs_do_not_show():
         x = rng.normal(2.05 if i < 20 else 1.99, 0.3, 8)
         hist.run_ids.append(100 + i)
         hist.values.append(2.05 if i < 20 else 1.99)  # per-run means exactly on their levels
-        hist.samples.append(x)
+        hist.samples.append(by_id(x))
     j = judge(rng.normal(1.99, 0.3, 8) * 0 + 1.99, hist=hist, metric="accept_length",
               limits=limits)
     assert (j.verdict, j.method) == ("regression", "change_point"), j
@@ -188,3 +193,24 @@ def test_a_bad_thresholds_file_names_the_key(tmp_path):
     path.write_text("defaults:\n  kl_k3_mean: {max: 1.0, typo: 2}\n")
     with pytest.raises(ThresholdError, match=r"defaults.kl_k3_mean.typo"):
         load(path)
+
+
+def test_pairing_by_prompt_sees_a_drop_that_prompt_to_prompt_spread_hides():
+    """Acceptance differs a lot from prompt to prompt and little from run to run for one prompt:
+    the paired test catches a drop of 0.1 on every prompt; Welch's, between the groups, cannot."""
+    rng = np.random.default_rng(11)
+    level = rng.uniform(1.2, 3.0, 16)  # per prompt
+    hist = Series()
+    for i in range(4):
+        x = level + rng.normal(0, 0.02, 16)
+        hist.run_ids.append(i)
+        hist.values.append(float(x.mean()))
+        hist.samples.append(by_id(x))
+    contender = level - 0.1 + rng.normal(0, 0.02, 16)
+    j = judge(contender, hist=hist, metric="accept_length")
+    assert (j.verdict, j.method, j.evidence["test"], j.evidence["pairs"]) == (
+        "regression", "history", "paired_t", 16)
+    unpaired = judge_metric("prefill_hit", "accept_length", float(contender.mean()),
+                            {f"other-{i}": float(v) for i, v in enumerate(contender)}, KL,
+                            hist, HS)
+    assert (unpaired.verdict, unpaired.evidence["test"]) == ("pass", "welch")
