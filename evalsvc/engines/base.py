@@ -24,6 +24,8 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 120.0
     host: str = "127.0.0.1"
+    die_with_parent: bool = False  # the engine is killed when its launcher dies (Ray workers)
+    unset_env: list[str] = field(default_factory=list)  # names the engine does not inherit
 
 
 def engine_command(spec: EngineSpec, args: dict[str, Any], port: int) -> list[str]:
@@ -41,7 +43,8 @@ def launch(spec: EngineSpec, args: dict[str, Any], port: int, log_path: Path | N
     """Start a server and wait until it is healthy (raises EngineStartError with the log tail).
     ``on_spawn(proc)`` as soon as the process exists, before it is ready."""
     proc = EngineProcess(engine_command(spec, args, port), port, env=spec.env, log_path=log_path,
-                         startup_timeout=spec.startup_timeout, host=spec.host)
+                         startup_timeout=spec.startup_timeout, host=spec.host,
+                         die_with_parent=spec.die_with_parent, unset_env=spec.unset_env)
     proc.start()
     try:
         if on_spawn is not None:

@@ -3,24 +3,29 @@
 Used for the embedded engine now, and for SGLang servers by the harness: the command is an argument
 list (never a shell string), the process gets a process group of its own so teardown kills every
 process it started, and the environment drops SGLang's simulated-acceptance switches, which make a
-server produce wrong text on purpose.
+server produce wrong text on purpose. An engine in a group of its own outlives a killed parent
+(a restarted service stops it from the pid on its run); with ``die_with_parent`` it is killed when
+the process that started it dies (a Ray worker, whose engine nobody else would stop).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
 
 SCRUBBED_ENV_PREFIXES = ("SGLANG_SIMULATE_ACC",)
+PR_SET_PDEATHSIG = 1
 
 
 class EngineStartError(RuntimeError):
@@ -42,8 +47,26 @@ def embedded_command(port: int, flags: Sequence[str] = (), python: str | None = 
             *flags]
 
 
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV_PREFIXES)}
+def parent_death_signal() -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGKILL when the thread that forks it exits (Linux
+    ``PR_SET_PDEATHSIG``; the harness starts engines from the thread that runs the run). libc is
+    looked up here, before the fork; the child only makes the call."""
+    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the call: nobody will signal us
+            os._exit(1)
+
+    return arm
+
+
+def clean_env(extra: dict[str, str] | None = None, unset: Sequence[str] = ()) -> dict[str, str]:
+    """This process's environment without the scrubbed switches and the names in ``unset``, plus
+    ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(SCRUBBED_ENV_PREFIXES) and k not in unset}
     env.update(extra or {})
     return env
 
@@ -53,10 +76,12 @@ class EngineProcess:
 
     def __init__(self, argv: Sequence[str], port: int, *, env: dict[str, str] | None = None,
                  log_path: Path | None = None, startup_timeout: float = 120.0,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", die_with_parent: bool = False,
+                 unset_env: Sequence[str] = ()) -> None:
         self.argv = list(argv)
+        self.die_with_parent = die_with_parent
         self.port = port
-        self.env = clean_env(env)
+        self.env = clean_env(env, unset_env)
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.base_url = f"http://{host}:{port}"
@@ -84,8 +109,9 @@ class EngineProcess:
         else:
             out = subprocess.DEVNULL
         self._t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            preexec_fn=parent_death_signal() if self.die_with_parent else None)
 
     def wait_ready(self) -> None:
         deadline = self._t0 + self.startup_timeout
