@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first, pinned, so nothing pulls a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[engine,dev]'
+	$(BIN)/pip install --quiet -e '.[engine,dev,ray]'
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -20,6 +20,11 @@ class Settings(BaseSettings):
     read_token: str | None = None  # bearer token for reads (open when unset)
     engine_slots: int = 1  # runs at once (engines on this machine)
     engine_python: str | None = None  # python of the SGLang environment builds are laid over
+    # runs go to this Ray cluster (what ray.init(address=...) takes: HOST:6379, ray://HOST:10001
+    # or auto) instead of the engine slots here; needs the ray extra
+    ray_address: str | None = None
+    ray_slot_resource: str = "GPU"  # the Ray resource a run requests tp_size of
+    ray_retries: int = 1  # times Ray starts a run again when its worker or node died
     # fnmatch patterns of the build sources jobs may name (comma-separated in the environment)
     allowed_sources: Annotated[list[str], NoDecode] = ["sglang==*", "pypi:*"]
     nightly_file: Path | None = None  # default: configs/nightly.yaml

@@ -36,7 +36,11 @@ class Services:
     @classmethod
     def start(cls, settings: Settings, start_runner: bool = True) -> Services:
         store = Store(settings.resolved_database_url())  # migrates to head
-        jobs = JobService(settings, store, LocalDispatcher(settings.engine_slots))
+        try:
+            jobs = JobService(settings, store, make_dispatcher(settings))
+        except BaseException:
+            store.close()
+            raise
         services = cls(settings, store, jobs, Bisector(store, jobs))
         if start_runner:
             jobs.start()
@@ -62,6 +66,16 @@ class Services:
         registry = CollectorRegistry()
         registry.register(_Collector(self))
         return generate_latest(registry)
+
+
+def make_dispatcher(settings: Settings):
+    """The Ray dispatcher when EVALSVC_RAY_ADDRESS is set, else the local engine slots."""
+    if settings.ray_address:
+        from evalsvc.dispatch.ray_backend import RayDispatcher
+
+        return RayDispatcher(settings.ray_address, settings.ray_slot_resource,
+                             retries=settings.ray_retries)
+    return LocalDispatcher(settings.engine_slots)
 
 
 class _Collector:

@@ -1,0 +1,191 @@
+"""The smoke job through the service on a real Ray cluster (a head and a CPU-only worker with two
+``engine_slot``, token authentication on), in a loopback-only network namespace of the test's own:
+the same results as the local dispatcher, runs spread over the slots, a killed Ray worker retried
+or failed with a clear error, cancel, a killed service resuming, and nothing left behind.
+
+The steps run in ``tests/dispatch/ray_scenario.py`` under ``unshare --net``; this test judges its
+report. Without ray (the ``ray`` extra) or network namespaces it is skipped, and fails when ``CI``
+is set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import in_ci
+from tests.dispatch.ray_scenario import CONFIGS, KILLED, RETRIED, SLOTS
+from tests.dispatch.raycluster import is_loopback
+
+# one cluster for the module: its tests stay on one xdist worker (--dist loadgroup); the scenario
+# has a deadline of its own (SCENARIO_SECONDS), after which it is stopped and cleans up
+SCENARIO_SECONDS = 840
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"),
+              pytest.mark.timeout(SCENARIO_SECONDS + 300)]
+ROOT = Path(__file__).parents[2]
+KL_TOLERANCE = 1e-9  # nats; the embedded engine's fixed KL limit is 1e-8
+
+
+def _unavailable(reason: str) -> None:
+    if in_ci():
+        pytest.fail(f"CI is set and the Ray dispatch test cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def namespace_command() -> list[str]:
+    """``unshare --net`` (root), or with a user namespace of its own where that is allowed."""
+    for cmd in (["unshare", "--net"], ["unshare", "--net", "--map-root-user"]):
+        try:
+            ok = subprocess.run([*cmd, "true"], capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok:
+            return cmd
+    _unavailable("cannot make a network namespace (`unshare --net` failed): Ray must run in a "
+                 "loopback-only namespace here")
+    raise AssertionError("unreachable")
+
+
+def _die_with_the_test() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    if importlib.util.find_spec("ray") is None:
+        _unavailable("ray is not installed (pip install -e '.[ray]')")
+    cmd = namespace_command()
+    work = tmp_path_factory.mktemp("ray")
+    out = work / "report.json"
+    with open(work / "scenario.log", "wb") as log:
+        proc = subprocess.Popen([*cmd, sys.executable, "-m", "tests.dispatch.ray_scenario",
+                                 str(out), str(work / "work")], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=_die_with_the_test)
+        try:
+            proc.wait(SCENARIO_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the scenario stops the cluster and its services
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    tail = (work / "scenario.log").read_text(errors="replace")[-6000:]
+    assert out.exists(), f"the scenario wrote no report (exit {proc.returncode}):\n{tail}"
+    data = json.loads(out.read_text())
+    data["scenario_log"] = tail
+    print("Ray dispatch scenario, seconds:", data.get("seconds"),
+          "; Ray connections tried again:", data.get("connect_retries"))
+    return data
+
+
+def _ok(report: dict) -> None:
+    assert "error" not in report, (f"{report['error']}\n--- service log:\n"
+                                   f"{report.get('service_log_tail')}\n--- scenario:\n"
+                                   f"{report['scenario_log']}")
+
+
+def test_ray_cluster_runs_on_loopback_only(report):
+    _ok(report)
+    assert report["interfaces"] == ["lo"]
+    assert report["listening"] and all(is_loopback(a) for a in report["listening"]), \
+        report["listening"]
+    assert report["cluster_resources"]["engine_slot"] == SLOTS
+
+
+def test_same_results_as_the_local_dispatcher(report):
+    """Same fingerprints and verdicts, KL within tolerance, the same cache hits; the engine logs
+    and per-sample files came back to the service's data directory."""
+    _ok(report)
+    local, ray = report["local"], report["ray"]
+    assert local["status"] == ray["status"] == "done"
+    assert sorted(local["runs"]) == sorted(ray["runs"]) == sorted(CONFIGS)
+    for config in CONFIGS:
+        a, b = local["runs"][config], ray["runs"][config]
+        assert a["fingerprint"] == b["fingerprint"], config
+        assert a["verdict"] == b["verdict"] == "pass", (config, a["reason"], b["reason"])
+        assert sorted(a["metrics"]) == sorted(b["metrics"]), config
+        for scenario, ma in a["metrics"].items():
+            mb = b["metrics"][scenario]
+            assert abs(ma["kl_k3_mean"] - mb["kl_k3_mean"]) <= KL_TOLERANCE, (config, scenario)
+            assert ma["hit_coverage"] == mb["hit_coverage"], (config, scenario)
+            assert ma["cached_tokens_mean"] == mb["cached_tokens_mean"], (config, scenario)
+            if "accept_length" in ma:
+                assert math.isclose(ma["accept_length"], mb["accept_length"], rel_tol=1e-9)
+        assert b["log_bytes"] and b["log_in_data_dir"], (config, b["log_path"])
+        assert b["samples"], config
+
+
+def test_runs_spread_over_the_slots(report):
+    """Two runs at once, each engine seeing only the slot Ray assigned to its run, and none of the
+    environment Ray gives its workers."""
+    _ok(report)
+    seen = report["engines_seen"]
+    assert any(len(now) == SLOTS for now in seen), "never two engines at once"
+    for now in seen:
+        # nothing of Ray's environment reaches the engine: its token, its OMP_NUM_THREADS=1
+        assert all(e["ray_env"] == [] and e["omp"] == report["omp"] for e in now), now
+        assert all(e["nice"] == 0 for e in now), now  # the nodes run with RAY_worker_niceness=0
+        devices = [e["devices"] for e in now]
+        assert all(d in ("0", "1") for d in devices), devices
+        assert len(set(devices)) == len(devices), f"two engines on one slot: {now}"
+    slots = {line[2].rsplit("engine_slot ", 1)[1] for line in report["placements"]}
+    assert slots == {"0", "1"}, report["placements"]
+
+
+def test_a_killed_worker_retries_its_run(report):
+    """SIGKILL of the Ray worker mid-run: its engine dies with it, Ray starts the run again, and
+    the run's result is the local dispatcher's (above)."""
+    _ok(report)
+    retry = report["retry"]
+    assert retry["engine_gone_after"] is not None and retry["engine_gone_after"] < 10, retry
+    attempts = [int(a) for run, a, _ in report["placements"] if int(run) == retry["run"]]
+    assert attempts == [1, 2], report["placements"]
+    run = report["ray"]["runs"][RETRIED]
+    assert run["status"] == "done" and run["verdict"] == "pass", run
+
+
+def test_a_run_whose_worker_dies_twice_fails_clearly(report):
+    _ok(report)
+    kt = report["kill_twice"]
+    assert kt["status"] == "done"
+    assert all(k["engine_gone_after"] is not None for k in kt["kills"]), kt["kills"]
+    run = kt["runs"][KILLED]
+    assert run["status"] == "done" and run["verdict"] == "error", run
+    assert "failed after 2 attempt(s)" in run["reason"], run["reason"]
+    assert "WorkerCrashedError" in run["reason"], run["reason"]
+
+
+def test_cancel_stops_the_jobs_engines(report):
+    _ok(report)
+    c = report["cancel"]
+    assert c["response"]["status"] == "cancelling" and c["status"] == "cancelled"
+    assert all(status == "cancelled" for _, status, _ in c["runs"]), c["runs"]
+    assert c["engines_left"] == []
+
+
+def test_a_killed_service_resumes_its_job(report):
+    """SIGKILL of the service: Ray kills its tasks' workers, their engines die with them, and the
+    restarted service runs the job to its end."""
+    _ok(report)
+    r = report["restart"]
+    assert r["engine_gone_after"] is not None, r
+    assert r["status"] == "done" and r["resumed"]
+    assert sorted(r["runs"]) == sorted(CONFIGS[:2])
+    assert all(run["verdict"] == "pass" for run in r["runs"].values()), r["runs"]
+
+
+def test_nothing_left_behind(report):
+    _ok(report)
+    assert report["run_dirs_left"] == []
+    assert report["left_behind"] == [], "processes ray start --block did not stop"
+    assert report["after_stop"] == []
+    assert report.get("cleanup_errors") is None, report.get("cleanup_errors")
