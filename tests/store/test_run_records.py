@@ -54,7 +54,7 @@ def test_run_records_its_job_and_the_defects_as_patch_set(tmp_path):
             jobs = s.scalars(select(Job).order_by(Job.created_at)).all()
             assert len(jobs) == 2
             assert all(j.trigger == "cli" and j.status == "done" and j.id.startswith("cli-") for j in jobs)
-            assert jobs[0].spec["matrix"] == "store-tiny" and jobs[0].spec["engine"] == "embedded"
+            assert jobs[0].spec["matrix_name"] == "store-tiny" and jobs[0].spec["engine"] == "embedded"
             assert jobs[1].spec["patches"] == ["defect:host-load-race"]
 
             commit = s.scalars(select(Commit)).one()  # both runs evaluated the same embedded engine
