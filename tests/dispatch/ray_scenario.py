@@ -263,7 +263,8 @@ def main(report_path: Path, work: Path) -> int:
             job = ray.wait(restart_job, timeout=600)
             report["restart"] = {"engine": first["pid"], "engine_gone_after": gone,
                                  "status": job["status"], "runs": results(ray, job),
-                                 "resumed": "resumes after a restart" in ray.log()}
+                                 "resumed": "resumes after a restart"
+                                 in ray.log_path.read_text(errors="replace")}
         runs_dir = cluster.tmp / "evalsvc-ray-runs"
         report["run_dirs_left"] = sorted(p.name for p in runs_dir.iterdir())
         report["seconds"]["total"] = round(time.monotonic() - t_all, 1)
