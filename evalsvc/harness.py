@@ -227,26 +227,24 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
 
 def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile) -> tuple[str, str]:
     """pass / fail / inconclusive for one scenario against the fixed limits of
-    ``configs/thresholds.yaml``; the history test runs where the store is (``evalsvc.verdicts``)."""
+    ``configs/thresholds.yaml`` (``verdicts.judge_metric`` without history); the history test runs
+    where the store is (``evalsvc.verdicts.judge_run``)."""
+    from evalsvc.thresholds import HistorySettings
+    from evalsvc.verdicts import METRICS, Series, judge_metric
+
     lim = scenario_limits(config, matrix, name)
     cov = m["hit_coverage"]
     if cov < lim.min_hit_coverage or (lim.min_hit_coverage > 0 and cov == 0):
         return "inconclusive", (f"hit coverage {cov:.2f} below {lim.min_hit_coverage:.2f}: the "
                                 "cache path was not exercised")
-    kl = m.get("kl_k3_mean")
-    if lim.bit_exact and kl is not None and (kl > 0 or m.get("bit_exact_fraction", 1.0) < 1.0):
-        return "fail", (f"not bit-exact under deterministic inference: mean KL (k3) {kl:.3g}, "
-                        f"{m.get('bit_exact_fraction', 1.0):.1%} of tokens exact")
-    limit = lim.kl_k3_mean.max
-    if kl is not None and limit is not None and kl > limit:
-        return "fail", f"mean KL (k3) {kl:.3g} above {limit:.3g}"
-    floor = lim.accept_length.min
-    if name == "speculative" and config.uses_mtp and floor is not None:
-        acc = m.get("accept_length")
-        if acc is None:
-            return "fail", "no speculative counters in the responses"
-        if acc < floor:
-            return "fail", f"accept length {acc:.3f} below the floor {floor:.3f}"
+    if (name == "speculative" and config.uses_mtp and lim.accept_length.min is not None
+            and m.get("accept_length") is None):
+        return "fail", "no speculative counters in the responses"
+    for metric in METRICS:
+        j = judge_metric(name, metric, m.get(metric), {}, lim, Series(), HistorySettings(),
+                         exact_fraction=m.get("bit_exact_fraction"))
+        if j is not None and j.verdict == "regression":
+            return "fail", j.reason
     return "pass", ""
 
 
