@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,9 +154,9 @@ class JobService:
         builds = body.builds or [BuildSpec()]
         for i, b in enumerate(builds):
             self._check_build(engine, i, b, trusted)
-        if engine == "sglang" and not self.settings.engine_python:
+        if engine == "sglang" and not self.settings.engine_python and not self.settings.ray_address:
             raise JobError("engine sglang: this service has no SGLang environment "
-                           "(EVALSVC_ENGINE_PYTHON)")
+                           "(EVALSVC_ENGINE_PYTHON)")  # on Ray the workers bring their own
         return {"matrix_name": matrix.name, "matrix": matrix.model_dump(mode="json"),
                 "engine": engine, "builds": [b.model_dump() for b in builds],
                 "configs": body.configs, "model": body.model, "track": body.track}
@@ -227,7 +227,8 @@ class JobService:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self.dispatcher.shutdown()
+        if self.dispatcher is not None:  # None: a service that only submits
+            self.dispatcher.shutdown()
         if self._thread is not None:
             self._thread.join(timeout=60)
 
@@ -300,7 +301,7 @@ class JobService:
         log_dir = self.settings.data_dir / "logs" / job_id
         tasks: list[tuple[int, RunTask, str]] = []
         for b in spec["builds"]:
-            engine, ref = self._prepare_build(base, b)
+            engine, ref, request = self._prepare_build(base, b)
             configs = expand(matrix, hardware="cpu" if engine.kind == "embedded" else "gpu",
                              workload_version=version,
                              sglang_version=engine.version if engine.kind == "sglang" else None)
@@ -314,7 +315,7 @@ class JobService:
                     if run.status == "pending":
                         tasks.append((run.id, RunTask.make(
                             job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
-                            log_dir / f"build-{build.id}"), cfg.name))
+                            log_dir / f"build-{build.id}", build=request), cfg.name))
         futures: list[tuple[int, Future]] = []
         for run_id, task, _name in tasks:
             if self._is_cancelled(job_id):
@@ -342,7 +343,10 @@ class JobService:
             return "cancelled", None
         return "done", None
 
-    def _prepare_build(self, base: EngineSpec, b: dict[str, Any]) -> tuple[EngineSpec, BuildRef]:
+    def _prepare_build(self, base: EngineSpec, b: dict[str, Any]
+                       ) -> tuple[EngineSpec, BuildRef, dict[str, Any] | None]:
+        """The engine spec, the store's build and the build request each run carries. An SGLang
+        build is made by the dispatcher where the runs go (BuildError if it cannot be)."""
         now = utcnow()
         if base.kind == "embedded":
             from evalsvc.builds.embedded import embedded_build
@@ -351,23 +355,22 @@ class JobService:
             return (EngineSpec(kind="embedded", env=eb.env),
                     BuildRef(eb.repository, sha=eb.sha, version=eb.version,
                              committed_at=eb.committed_at, patches=eb.patches,
-                             manifest=eb.manifest))
-        if b["source"] is None:
-            return (base, BuildRef("sgl-project/sglang", version=installed_version(base.python),
-                                   committed_at=now))
-        from evalsvc.builds.build import make_build
+                             manifest=eb.manifest), None)
+        from evalsvc.dispatch.base import build_request
 
-        build = make_build(b["source"], b["patches"], base_python=base.python)
-        m = build.manifest
-        spec = EngineSpec(kind="sglang", python=base.python, env=build.env(),
-                          version=m.get("version"))
-        return spec, BuildRef(
+        info = self.dispatcher.prepare_build(b["source"], b["patches"], base.python)
+        if "version" in info:  # the SGLang installed in the engine's python
+            return (replace(base, version=info["version"]),
+                    BuildRef("sgl-project/sglang", version=info["version"], committed_at=now),
+                    build_request(info))
+        m = info["manifest"]
+        return replace(base, version=m.get("version")), BuildRef(
             m["location"] if m["kind"] != "pypi" else "sgl-project/sglang", sha=m.get("commit"),
             version=m.get("version") or (None if m.get("commit") else
                                          "tree-" + m["package_hash"][:12]),
             committed_at=now, patches=m["patches"],
             probes={p["fix"]: p["status"] for p in m["probes_after"]}, base_env=m.get("base_env"),
-            manifest=m)
+            manifest=m), build_request(info)
 
     def _run_started(self, run_id: int) -> None:
         with self.store.session() as s:
@@ -416,17 +419,6 @@ def _check_model(engine: str, key: str, path: str) -> None:
                            "directory")
     elif path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
         raise JobError(f"models.{key}.path: no such directory {path}")
-
-
-def installed_version(python: str | None) -> str:
-    """The SGLang version installed in an environment (without importing it here)."""
-    import subprocess
-
-    if not python:
-        return "unknown"
-    out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-                         capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def kill_engine_group(pid: int) -> None:

@@ -173,9 +173,15 @@ def _resolve_ref(source: Source) -> str | None:
 
 
 def resolve_commit(source: Source) -> tuple[Path, str]:
-    """A git source's mirror and the full sha its commit (a short sha, branch or tag) names."""
-    mirror = git_mirror(source.location)
+    """A git source's mirror and the full sha its commit (a short sha, branch or tag) names. A full
+    sha the mirror already has is taken as it is, without fetching (it cannot move)."""
+    full_sha = re.fullmatch(r"[0-9a-f]{40}", source.ref or "") is not None
+    mirror = git_mirror(source.location, fetch=not full_sha)
     out = git(["rev-parse", "--verify", "--quiet", f"{source.ref}^{{commit}}"], mirror, check=False)
+    if out.returncode != 0 and full_sha:  # a commit the mirror does not have yet
+        mirror = git_mirror(source.location)
+        out = git(["rev-parse", "--verify", "--quiet", f"{source.ref}^{{commit}}"], mirror,
+                  check=False)
     if out.returncode != 0:
         raise BuildError(f"source {source.label}: unknown commit {source.ref!r} in "
                          f"{source.location}")
@@ -189,7 +195,7 @@ def _fetch(source: Source, resolved: str | None, site: Path) -> None:
             members = [m for m in zf.namelist() if m.startswith("sglang/") and m.endswith(".py")]
             zf.extractall(site, members)
     elif source.kind == "git":
-        mirror = git_mirror(source.location)
+        mirror = git_mirror(source.location, fetch=False)  # resolved (and fetched) just before
         with tempfile.TemporaryDirectory() as tmp:
             archive = Path(tmp) / "tree.tar"
             git(["archive", "--format=tar", "-o", str(archive), resolved], mirror)
@@ -271,8 +277,9 @@ def git(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedP
     return proc
 
 
-def git_mirror(location: str) -> Path:
-    """A bare mirror of the repository under the builds cache, fetched on each use."""
+def git_mirror(location: str, fetch: bool = True) -> Path:
+    """A bare mirror of the repository under the builds cache, fetched on each use (unless not
+    ``fetch``)."""
     mirrors = cache_root() / "git"
     mirrors.mkdir(parents=True, exist_ok=True)
     mirror = mirrors / hashlib.sha256(location.encode()).hexdigest()[:16]
@@ -285,9 +292,13 @@ def git_mirror(location: str) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BuildError(f"repository {location}: cannot be cloned "
                              f"({proc.stderr.strip().splitlines()[-1] if proc.stderr else 'no output'})")
-        (tmp / "repo").rename(mirror)
+        try:
+            (tmp / "repo").rename(mirror)
+        except OSError:  # cloned meanwhile by another process: keep theirs
+            if not mirror.is_dir():
+                raise
         shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    elif fetch:
         with contextlib.suppress(BuildError):
             git(["fetch", "--quiet", "--prune", "origin", "+refs/heads/*:refs/heads/*"], mirror)
     return mirror
@@ -298,6 +309,19 @@ def _tree_hash(path: Path) -> str:
     for f in sorted(path.rglob("*.py")):
         h.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
+
+
+def installed_version(python: str) -> str | None:
+    """The SGLang release installed in an environment (asked of its python, never imported here);
+    None when it has none or the python cannot run."""
+    code = "import importlib.metadata as m; print(m.version('sglang'))"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def base_env_info(python: str) -> dict[str, Any]:

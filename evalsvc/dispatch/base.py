@@ -1,23 +1,30 @@
-"""A run as plain data, the function that executes it, and the dispatcher interface.
+"""A run as plain data, the functions that execute it, and the dispatcher interface.
 
 ``execute`` is a plain function of a ``RunTask``: everything it needs travels in the task (the
-matrix and config as dicts, the engine spec, token ids of the prompts), so a dispatcher can run it in
-a thread here or hand it to another machine.
+matrix and config as dicts, the engine spec, token ids of the prompts, the SGLang build), so a
+dispatcher can run it in a thread here or hand it to another machine. The machine that runs it
+makes the run's SGLang build itself (``engine_for``: from its own builds cache, or made there), so
+nothing but the task has to be shared; ``prepare_build`` makes it first where the runs will go, for
+the service to record what the build is before it plans the runs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from evalsvc.builds.build import BuildError, installed_version, make_build
 from evalsvc.engines.base import EngineSpec
 from evalsvc.harness import RunControl, run_config
 from evalsvc.logs import log_context
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.types import RunResult
+
+log = logging.getLogger("evalsvc.dispatch")
 
 
 @dataclass
@@ -29,29 +36,107 @@ class RunTask:
     engine: dict[str, Any]  # EngineSpec as a dict
     prompts: list[tuple[str, list[int]]]
     log_dir: str
+    # the SGLang build the run executes (see ``BuildRequest``); None: the engine spec as it is
+    build: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def make(cls, job_id: str, run_id: int, matrix: MatrixFile, config: Config, spec: EngineSpec,
-             prompts: list[tuple[str, list[int]]], log_dir: Path) -> RunTask:
+             prompts: list[tuple[str, list[int]]], log_dir: Path,
+             build: dict[str, Any] | None = None) -> RunTask:
         return cls(job_id, run_id, matrix.model_dump(mode="json"), asdict(config), asdict(spec),
-                   [(pid, list(ids)) for pid, ids in prompts], str(log_dir))
+                   [(pid, list(ids)) for pid, ids in prompts], str(log_dir), build)
+
+    def outcome(self, verdict: str, reason: str) -> RunResult:
+        """The result of a run that did not get to its engine (cancelled, or an error)."""
+        cfg = self.config
+        return RunResult(cfg["name"], cfg["fingerprint"], cfg["model"], cfg["settings"],
+                         cfg["args"], verdict=verdict, reason=reason)
 
 
 def execute(task: RunTask, control: RunControl | None = None) -> RunResult:
-    """Run one config (the whole harness: engine, scenarios, metrics) from a task."""
+    """Run one config (the whole harness: build, engine, scenarios, metrics) from a task."""
     matrix = MatrixFile.model_validate(task.matrix)
     cfg = dict(task.config)
     cfg["scenarios"] = tuple(cfg["scenarios"])
     config = Config(**cfg)
     spec = EngineSpec(**task.engine)
     with log_context(job=task.job_id, run=task.run_id):
+        if task.build is not None:
+            try:
+                spec = engine_for(spec, task.build)
+            except BuildError as exc:
+                log.error("run %s: %s", task.run_id, exc)
+                return task.outcome("error", f"engine build: {exc}")
         return run_config(config, matrix, spec, [(p, list(ids)) for p, ids in task.prompts],
                           log_dir=Path(task.log_dir), control=control)
 
 
+# A build request, as the service sends it with each run: ``{"source": SOURCE, "patches": [...],
+# "package_hash": HASH}`` (a git source names its full sha), or ``{"source": None, "version": V}``
+# for the SGLang installed in the engine's python.
+
+
+def prepare_build(source: str | None, patches: list[str], python: str | None) -> dict[str, Any]:
+    """Make (or find) an SGLang build on this machine, before its runs: ``{"manifest": ...}`` for a
+    source (see ``builds.build``), ``{"version": V}`` for the SGLang installed in ``python``.
+    BuildError, naming the problem, when it cannot be made."""
+    python = _need_python(python)
+    if source is None:
+        version = installed_version(python)
+        if version is None:
+            raise BuildError(f"the SGLang environment {python} has no sglang installed (a job "
+                             "without a build source runs the installed SGLang)")
+        return {"version": version}
+    return {"manifest": make_build(source, patches, base_python=python).manifest}
+
+
+def build_request(info: dict[str, Any]) -> dict[str, Any]:
+    """What each run of a prepared build carries (``prepare_build``'s answer -> a build request):
+    the same code wherever the run goes, a git source pinned to its commit."""
+    if "version" in info:
+        return {"source": None, "version": info["version"]}
+    m = info["manifest"]
+    source = f"git:{m['location']}@{m['commit']}" if m["kind"] == "git" else m["source"]
+    return {"source": source, "patches": list(m["patches"]), "package_hash": m["package_hash"]}
+
+
+def engine_for(spec: EngineSpec, build: dict[str, Any]) -> EngineSpec:
+    """The engine spec of a run on this machine: its build made here (or found in this machine's
+    builds cache) and checked to be the code the service recorded."""
+    python = _need_python(spec.python)
+    if build["source"] is None:
+        found = installed_version(python)
+        if found != build["version"]:
+            raise BuildError(f"the SGLang environment {python} on this machine has "
+                             f"{'sglang ' + found if found else 'no sglang'}; the job's build is "
+                             f"the installed sglang {build['version']}")
+        return spec
+    made = make_build(build["source"], build["patches"], base_python=python)
+    if made.manifest["package_hash"] != build["package_hash"]:
+        raise BuildError(f"{build['source']} built on this machine is other code (package hash "
+                         f"{made.manifest['package_hash'][:12]}) than the job recorded "
+                         f"({build['package_hash'][:12]})")
+    return replace(spec, env={**spec.env, **made.env()})
+
+
+def _need_python(python: str | None) -> str:
+    if not python:
+        raise BuildError("this machine has no SGLang environment (EVALSVC_ENGINE_PYTHON)")
+    if not Path(python).exists():
+        raise BuildError(f"the SGLang python {python} is not on this machine "
+                         "(EVALSVC_ENGINE_PYTHON)")
+    return python
+
+
 class Dispatcher(Protocol):
     slots: int
+    # whether runs execute on this machine (so this process's settings describe their environment)
+    local: bool
+
+    def prepare_build(self, source: str | None, patches: list[str],
+                      python: str | None) -> dict[str, Any]:
+        """``prepare_build`` on a machine where the runs will go; BuildError if it fails there."""
 
     def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
                on_engine: Callable[[int], None] | None = None) -> Future:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
-from evalsvc.dispatch.base import RunTask, execute
+from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.harness import RunControl
 from evalsvc.types import RunResult
 
 
 class LocalDispatcher:
+    local = True
+
     def __init__(self, slots: int = 1) -> None:
         self.slots = slots
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="engine-slot")
@@ -29,15 +32,17 @@ class LocalDispatcher:
              on_start: Callable[[], None] | None) -> RunResult:
         try:
             if control.cancelled:  # cancelled while it waited for a slot
-                cfg = task.config
-                return RunResult(cfg["name"], cfg["fingerprint"], cfg["model"], cfg["settings"],
-                                 cfg["args"], verdict="cancelled", reason="the job was cancelled")
+                return task.outcome("cancelled", "the job was cancelled")
             if on_start is not None:
                 on_start()
             return execute(task, control)
         finally:
             with self._lock:
                 self._controls.pop(task.run_id, None)
+
+    def prepare_build(self, source: str | None, patches: list[str],
+                      python: str | None) -> dict[str, Any]:
+        return prepare_build(source, patches, python)
 
     def cancel_job(self, job_id: str) -> None:
         with self._lock:

@@ -1,10 +1,17 @@
 """Runs on a Ray cluster: each run is a Ray task that requests the engine slots its config needs.
 
-The task executes the same plain function as the local dispatcher (``execute``: launch, scenarios,
-metrics) on a worker node and returns the ``RunResult``, its per-sample rows included, with the
-engine's log; the service writes both (the Parquet file, the log under ``task.log_dir``) and stays
-the only writer of the store. Only this module imports ``ray`` (``pip install 'evalsvc[ray]'``),
-and only when a ``RayDispatcher`` is made.
+The task executes the same plain function as the local dispatcher (``execute``: build, launch,
+scenarios, metrics) on a worker node and returns the ``RunResult``, its per-sample rows included,
+with the engine's log; the service writes both (the Parquet file, the log under ``task.log_dir``)
+and stays the only writer of the store. Only this module imports ``ray`` (``pip install
+'evalsvc[ray]'``), and only when a ``RayDispatcher`` is made.
+
+* Builds: the workers make the SGLang builds, over their own SGLang environment
+  (``EVALSVC_ENGINE_PYTHON`` of the worker node, which wins over the service's), in their own
+  builds cache (``EVALSVC_DATA_DIR/builds`` of the node): nothing is shared with the service but
+  what travels through Ray. Before a job's runs, ``prepare_build`` makes each build on a node that
+  offers slots and brings its manifest (or the installed SGLang release) back for the store; each
+  run then finds the build in its node's cache, or makes it there, and checks it is the same code.
 
 * Address: ``EVALSVC_RAY_ADDRESS`` is what ``ray.init(address=...)`` takes: ``HOST:6379`` (the
   head's GCS, for a service on the cluster's network), ``ray://HOST:10001`` (a Ray Client) or
@@ -60,8 +67,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from evalsvc.dispatch.base import RunTask, execute
+from evalsvc.builds.build import BuildError
+from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.harness import RunControl
+from evalsvc.settings import Settings
 from evalsvc.types import RunResult
 
 log = logging.getLogger("evalsvc.dispatch.ray")
@@ -71,6 +80,7 @@ CAPACITY_SECONDS = 5.0  # how long the most slots a node offers is taken as know
 LOG_LIMIT = 16 << 20  # bytes of an engine log brought back (its tail)
 CONNECT_ATTEMPTS = 3  # ray.init tries
 SHUTDOWN_SECONDS = 60.0  # how long shutdown waits for cancelled runs to come back
+BUILD_SECONDS = 3600.0  # how long a build on a worker may take (a first clone of SGLang included)
 AUTH_HINT = ("with token authentication the service needs RAY_AUTH_MODE=token and the cluster's "
              "token in RAY_AUTH_TOKEN or in a file named by RAY_AUTH_TOKEN_PATH")
 
@@ -102,12 +112,6 @@ def machine_key() -> str:
     except OSError:
         return f"unknown-{os.uname().nodename}"
     return f"{boot}/{pidns}"
-
-
-def _result(task: RunTask, verdict: str, reason: str) -> RunResult:
-    cfg = task.config
-    return RunResult(cfg["name"], cfg["fingerprint"], cfg["model"], cfg["settings"], cfg["args"],
-                     verdict=verdict, reason=reason)
 
 
 # ---- on the cluster ----------------------------------------------------------------------------
@@ -158,15 +162,14 @@ def assigned_slot_ids(resource: str) -> list[str]:
 _logging_set_up = False
 
 
-def _missing_on_worker(engine: dict[str, Any]) -> str | None:
-    python = engine.get("python")
-    if python and not Path(python).exists():
-        return f"the engine's python {python} is not on this worker"
-    for entry in (engine.get("env") or {}).get("PYTHONPATH", "").split(os.pathsep)[:1]:
-        if entry and not Path(entry).exists():
-            return (f"the engine build {entry} is not on this worker (put EVALSVC_DATA_DIR/builds "
-                    "on storage shared with the Ray workers)")
-    return None
+def worker_python(python: str | None) -> str | None:
+    """The SGLang python on this node: its own ``EVALSVC_ENGINE_PYTHON``, else the service's."""
+    return Settings().engine_python or python
+
+
+def prepare_on_worker(source: str | None, patches: list[str], python: str | None) -> dict:
+    """The Ray task of ``RayDispatcher.prepare_build``: the build made on this node."""
+    return prepare_build(source, patches, worker_python(python))
 
 
 def ray_added_env() -> list[str]:
@@ -238,21 +241,19 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
                         exc_info=True)
 
     if is_cancelled():  # cancelled while it waited for a slot
-        return {"result": _result(task, "cancelled", "the job was cancelled"), "logs": {}}
+        return {"result": task.outcome("cancelled", "the job was cancelled"), "logs": {}}
     ctx = ray.get_runtime_context()
     slots = assigned_slot_ids(slot_resource)
     report("started", node=ctx.get_node_id(), host=os.uname().nodename, worker_pid=os.getpid(),
            slots=slots)
-    missing = _missing_on_worker(task.engine)
-    if missing:
-        return {"result": _result(task, "error", missing), "logs": {}}
     env = dict(task.engine.get("env") or {})
     if slots:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
+    engine = {**task.engine, "env": env, "die_with_parent": True, "unset_env": ray_added_env()}
+    if engine["kind"] == "sglang":
+        engine["python"] = worker_python(engine.get("python"))
     log_dir = run_dir(task.run_id)
-    local = dataclasses.replace(task, engine={**task.engine, "env": env, "die_with_parent": True,
-                                              "unset_env": ray_added_env()},
-                                log_dir=str(log_dir))
+    local = dataclasses.replace(task, engine=engine, log_dir=str(log_dir))
     key = machine_key()
     control = RunControl(on_engine=lambda proc: report("engine", pid=proc.proc.pid, machine=key))
     done = threading.Event()
@@ -298,6 +299,8 @@ class _Flight:
 class RayDispatcher:
     """Runs as Ray tasks on the cluster at ``address`` (what ``ray.init(address=...)`` takes)."""
 
+    local = False
+
     def __init__(self, address: str, slot_resource: str = "GPU", retries: int = 1) -> None:
         ray = self._ray = _import_ray()
         self.address = address
@@ -308,6 +311,7 @@ class RayDispatcher:
         self._board = ray.remote(Board).options(
             num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001}).remote()
         self._remote = ray.remote(run_on_worker)
+        self._prepare = ray.remote(prepare_on_worker)
         self.slots = int(ray.cluster_resources().get(slot_resource, 0))
         if self.slots == 0:
             log.warning("the Ray cluster at %s offers no %s yet: runs fail until a node does",
@@ -358,7 +362,7 @@ class RayDispatcher:
         problem = self._infeasible(need)
         if problem:
             log.error("run %s: %s", task.run_id, problem)
-            future.set_result(_result(task, "error", problem))
+            future.set_result(task.outcome("error", problem))
             return future
         placement: dict[str, Any] = {"num_cpus": 0}
         if self.slot_resource == "GPU":
@@ -372,6 +376,47 @@ class RayDispatcher:
             self._flights[task.run_id] = _Flight(task, future, ref, need, on_start, on_engine)
         self._wake.set()
         return future
+
+    def prepare_build(self, source: str | None, patches: list[str],
+                      python: str | None) -> dict[str, Any]:
+        """``prepare_build`` on an alive node that offers slots (one that takes runs), placed there
+        alone (no slot taken): its answer, or a BuildError naming the node."""
+        ray = self._ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = sorted((n for n in ray.nodes() if n.get("Alive")
+                        and n.get("Resources", {}).get(self.slot_resource, 0) > 0),
+                       key=lambda n: n["NodeID"])
+        label = source or "the installed SGLang"
+        if not nodes:
+            raise BuildError(f"{label}: no alive node of the Ray cluster at {self.address} offers "
+                             f"{self.slot_resource} to make the build on")
+        node = nodes[0]
+        where = f"node {node['NodeID'][:12]} ({node.get('NodeManagerHostname', '?')})"
+        ref = self._prepare.options(
+            num_cpus=0, max_retries=self.retries, name="evalsvc-build",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote(source, list(patches), python)
+        t0 = time.monotonic()
+        try:
+            info = ray.get(ref, timeout=BUILD_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+            raise BuildError(f"{label}: the build on {where} did not finish within "
+                             f"{BUILD_SECONDS:.0f} s") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, BuildError):
+                raise BuildError(f"{cause} (on {where})") from None
+            raise BuildError(f"{label}: the build failed on {where}: {type(cause).__name__}: "
+                             f"{cause}") from None
+        except ray.exceptions.RayError as exc:
+            detail = str(exc).strip().splitlines()
+            raise BuildError(f"{label}: the build task on {where} failed: {type(exc).__name__}: "
+                             f"{detail[0] if detail else ''}") from None
+        log.info("build %s ready on %s in %.1f s", label, where, time.monotonic() - t0)
+        return info
 
     def cancel_job(self, job_id: str) -> None:
         try:
@@ -404,7 +449,7 @@ class RayDispatcher:
             left, self._flights = list(self._flights.values()), {}
         for flight in left:
             if not flight.future.done():
-                flight.future.set_result(_result(flight.task, "cancelled",
+                flight.future.set_result(flight.task.outcome("cancelled",
                                                  "the service stopped"))
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -481,11 +526,11 @@ class RayDispatcher:
             result: RunResult = out["result"]
             self._write_logs(task, result, out["logs"])
         except ray.exceptions.TaskCancelledError:
-            result = _result(task, "error" if flight.error else "cancelled",
+            result = task.outcome("error" if flight.error else "cancelled",
                              flight.error or "the job was cancelled")
         except ray.exceptions.RayError as exc:
             detail = str(exc).strip().splitlines()
-            result = _result(task, "error", (
+            result = task.outcome("error", (
                 f"the Ray task of this run failed after {max(flight.attempts, 1)} attempt(s) "
                 f"(last on {flight.where or 'no node'}): {type(exc).__name__}: "
                 f"{detail[0] if detail else ''}"))

@@ -201,8 +201,8 @@ def test_a_git_source_serves_an_embedded_matrix_with_configs_and_workload(env, s
         assert spec["matrix"]["workload"]["num_prompts"] == 4
         assert spec["matrix"]["workload"]["max_new_tokens"] == 8
         # the builds the job will run: the commit's settings, then the patch on top
-        envs, refs = zip(*(jobs._prepare_build(EngineSpec(kind="embedded"), b)
-                           for b in spec["builds"]), strict=True)
+        envs, refs, _ = zip(*(jobs._prepare_build(EngineSpec(kind="embedded"), b)
+                              for b in spec["builds"]), strict=True)
         assert [e.env for e in envs] == [{"EVALSVC_ENGINE_DEFECTS": "snapshot-race"},
                                          {"EVALSVC_ENGINE_DEFECTS": "snapshot-race,host-load-race"}]
         assert {r.sha for r in refs} == {head}

@@ -214,17 +214,17 @@ def test_jobs_refuse_a_commit_with_bad_settings(repo):
 
 def test_prepare_build_gives_the_engine_env_sha_and_commit_date(repo):
     root, shas = repo
-    engine, ref = service("*")._prepare_build(
+    engine, ref, request = service("*")._prepare_build(
         EngineSpec(kind="embedded"), {"source": f"git:{root}@{shas[1][:10]}",
                                       "patches": ["defect:snapshot-race"]})
-    assert engine.kind == "embedded"
+    assert engine.kind == "embedded" and request is None  # the env is the whole build
     assert engine.env == {ENV_VAR: "host-load-race,deferred-ops-dropped@0.25,snapshot-race"}
     assert (ref.repository, ref.sha, ref.branch) == (str(root), shas[1], None)
     assert ref.committed_at == datetime(2026, 1, 3, 3, 4, 5, tzinfo=TZ)
     assert ref.patches == ["defect:snapshot-race"]
     assert ref.ref == f"{root}@{shas[1]}"
     # no source: the engine as it is, its patches its defects
-    engine, ref = service()._prepare_build(EngineSpec(kind="embedded"),
+    engine, ref, _ = service()._prepare_build(EngineSpec(kind="embedded"),
                                            {"source": None, "patches": ["defect:host-load-race"]})
     assert engine.env == {ENV_VAR: "host-load-race"}
     assert (ref.repository, ref.version, ref.sha) == ("evalsvc/embedded", __version__, None)

@@ -13,6 +13,10 @@ machine is not reachable from the namespace). Steps, timed:
    ``docker/compose.yaml``) runs the same job; two runs at once, each engine's
    ``CUDA_VISIBLE_DEVICES`` sampled; the Ray worker of one run is SIGKILLed once its engine serves
    (Ray starts the run again).
+   Then an SGLang job (the fake SGLang server of ``tests/data``) with a git source: the service has
+   no SGLang environment, the worker node has one (``EVALSVC_ENGINE_PYTHON``) and makes the build
+   in its own data directory; a second job whose patch does not apply to that source fails, naming
+   the patch and the node.
 3. ``kill_twice``: a one-run job whose worker is killed in both attempts: the run is an error that
    says so, and the job ends.
 4. ``cancel``: a job cancelled while its engines run.
@@ -41,7 +45,11 @@ from typing import Any
 
 import httpx
 
+from evalsvc.store.db import Store
+from evalsvc.store.queries import job_builds
 from tests.api.conftest import Service
+from tests.api.test_service import FAKE_MATRIX
+from tests.builds.test_build import git
 from tests.dispatch.raycluster import (
     RayCluster,
     cmdline,
@@ -55,6 +63,8 @@ JOB = {"matrix": "smoke", "configs": CONFIGS, "workload": {"num_prompts": 4}}
 RETRIED = "gdn-eb-ov-c64"  # the run whose Ray worker is killed once
 KILLED = "mamba2-noradix-sync-nochunk"  # the run whose worker is killed in both attempts
 SLOTS = 2
+FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
+PATCH = "pr37165-clear-deferred-mamba-metadata"  # does not apply to the stand-in SGLang tree
 RUN_LOG = re.compile(r"evalsvc-ray-runs/(\d+)-\d+-[^/]*/([^/]+)\.log$")
 
 
@@ -162,6 +172,27 @@ def placements(service: Service) -> list[str]:
     return re.findall(r"run (\d+) started \(attempt (\d+)\) on (.*)", text)
 
 
+def sglang_repository(root: Path) -> tuple[Path, str]:
+    """A git repository with SGLang's layout standing in for SGLang: (path, head sha)."""
+    pkg = root / "python" / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '0.5.99'\n")
+    (pkg / "srt" / "__init__.py").write_text("")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "first")
+    return root, git(root, "rev-parse", "HEAD")
+
+
+def builds_of(service: Service, job_id: str) -> list[dict[str, Any]]:
+    store = Store(service.env["EVALSVC_DATABASE_URL"])
+    try:
+        with store.session() as s:
+            return json.loads(json.dumps(job_builds(s, job_id), default=str))
+    finally:
+        store.close()
+
+
 def main(report_path: Path, work: Path) -> int:
     report = Report()
     services: list[Service] = []
@@ -184,7 +215,10 @@ def main(report_path: Path, work: Path) -> int:
         local_job = local.submit(JOB)
         with report.step("cluster"):
             cluster.start()
-            cluster.add_worker(SLOTS)
+            # the node's own SGLang environment (the fake server) and data directory (builds)
+            cluster.add_worker(SLOTS, env={"EVALSVC_ENGINE_PYTHON": FAKE_PYTHON,
+                                           "FAKE_SGLANG_PYTHON": sys.executable,
+                                           "EVALSVC_DATA_DIR": str(work / "worker-data")})
             report["cluster_resources"] = cluster.wait_resources(SLOTS)
         job = local.wait(local_job, timeout=600)
         report["seconds"]["local_job"] = round(time.monotonic() - t_local, 1)
@@ -195,7 +229,7 @@ def main(report_path: Path, work: Path) -> int:
         ray = Service(work / "ray", f"sqlite:///{work / 'ray.db'}",
                       EVALSVC_RAY_ADDRESS=cluster.client_address,
                       EVALSVC_RAY_SLOT_RESOURCE="engine_slot", EVALSVC_RAY_RETRIES="1",
-                      **cluster.driver_env)
+                      EVALSVC_ALLOWED_SOURCES="git:*", **cluster.driver_env)
         services.append(ray)
         (work / "ray").mkdir(parents=True, exist_ok=True)
         with report.step("ray_service_start"):
@@ -226,6 +260,24 @@ def main(report_path: Path, work: Path) -> int:
         report["placements"] = placements(ray)
         report["connect_retries"] = ray.log_path.read_text(errors="replace").count(
             "connecting to the Ray cluster at")
+
+        # 2b. SGLang jobs: builds made on the worker, over the worker's SGLang environment
+        with report.step("sglang"):
+            repo, sha = sglang_repository(work / "sglang-repo")
+            source = f"git:{repo}@main"
+            good = ray.submit({"matrix": FAKE_MATRIX, "builds": [{"source": source}]})
+            bad = ray.submit({"matrix": FAKE_MATRIX,
+                              "builds": [{"source": source, "patches": [PATCH]}]})
+            job = ray.wait(good, timeout=300)
+            bad_job = ray.wait(bad, timeout=300)
+            report["sglang"] = {
+                "status": job["status"], "error": job["error"], "sha": sha,
+                "runs": results(ray, job), "builds": builds_of(ray, good),
+                "worker_builds": sorted(p.parent.name for p in
+                                        (work / "worker-data" / "builds").glob("*/manifest.json")),
+                "service_builds": sorted(p.name for p in (ray.data_dir / "builds").glob("*")),
+                "bad": {"status": bad_job["status"], "error": bad_job["error"],
+                        "runs": len(bad_job["runs"])}}
 
         # 3. a run whose worker dies in both attempts
         with report.step("kill_twice"):

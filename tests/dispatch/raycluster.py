@@ -116,13 +116,13 @@ class RayCluster:
     def driver_env(self) -> dict[str, str]:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
 
-    def _start(self, name: str, args: list[str]) -> None:
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"ray-{name}.log", "ab") as out:
             self.procs.append(subprocess.Popen(
                 [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-                 "--num-gpus=0", *args], stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True))
+                 "--num-gpus=0", *args], stdout=out, stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})}, start_new_session=True))
 
     def start(self, timeout: float = 180) -> RayCluster:
         self._start("head", ["--head", f"--port={self.port}", "--num-cpus=1",
@@ -138,9 +138,12 @@ class RayCluster:
                 raise RuntimeError(f"the Ray head did not come up:\n{self.log('head')}")
             time.sleep(0.3)
 
-    def add_worker(self, slots: int, name: str = "worker") -> None:
+    def add_worker(self, slots: int, name: str = "worker",
+                   env: dict[str, str] | None = None) -> None:
+        """A node with ``slots`` of the slot resource; ``env``: what its processes (the Ray
+        workers, so the runs) have beside the cluster's environment."""
         self._start(name, [f"--address={self.address}", "--num-cpus=2",
-                           f"--resources={json.dumps({self.resource: slots})}"])
+                           f"--resources={json.dumps({self.resource: slots})}"], env)
 
     def wait_resources(self, amount: float, timeout: float = 180) -> dict[str, float]:
         """Waits until the cluster offers ``amount`` of the slot resource; returns its resources."""

@@ -1,7 +1,8 @@
 """The smoke job through the service on a real Ray cluster (a head and a CPU-only worker with two
 ``engine_slot``, token authentication on), in a loopback-only network namespace of the test's own:
-the same results as the local dispatcher, runs spread over the slots, a killed Ray worker retried
-or failed with a clear error, cancel, a killed service resuming, and nothing left behind.
+the same results as the local dispatcher, runs spread over the slots, SGLang builds made on the
+worker, a killed Ray worker retried or failed with a clear error, cancel, a killed service
+resuming, and nothing left behind.
 
 The steps run in ``tests/dispatch/ray_scenario.py`` under ``unshare --net``, once (one test: a
 cluster takes minutes, and pytest-xdist's groups do not hold with pytest 9.2), and each ``check_``
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import in_ci
-from tests.dispatch.ray_scenario import CONFIGS, KILLED, RETRIED, SLOTS
+from tests.dispatch.ray_scenario import CONFIGS, FAKE_PYTHON, KILLED, PATCH, RETRIED, SLOTS
 from tests.dispatch.raycluster import is_loopback
 
 # the scenario has a deadline of its own, after which it is stopped and cleans up
@@ -146,6 +147,23 @@ def check_runs_spread_over_the_slots(report):
     assert slots == {"0", "1"}, report["placements"]
 
 
+def check_sglang_builds_are_made_on_the_workers(report):
+    """The service has no SGLang environment: the worker node makes the build over its own (the
+    fake SGLang server's python), in its own data directory, and the run executes it; a build that
+    cannot be made fails its job naming the patch and the node, with no run planned."""
+    s = report["sglang"]
+    assert s["status"] == "done", s
+    assert [r["verdict"] for r in s["runs"].values()] == ["pass"], s["runs"]
+    (build,) = s["builds"]
+    assert build["sha"] == s["sha"] and build["manifest"]["commit"] == s["sha"]
+    assert build["base_env"]["executable"] == FAKE_PYTHON, build["base_env"]
+    assert s["worker_builds"] == [build["manifest"]["key"]]
+    assert s["service_builds"] == []
+    bad = s["bad"]
+    assert bad["status"] == "failed" and bad["runs"] == 0, bad
+    assert f"patch '{PATCH}' does not apply" in bad["error"] and "(on node " in bad["error"], bad
+
+
 def check_a_killed_worker_retries_its_run(report):
     """SIGKILL of the Ray worker mid-run: its engine dies with it, Ray starts the run again, and
     the run's result is the local dispatcher's (above)."""
@@ -193,6 +211,7 @@ def check_nothing_left_behind(report):
 
 
 CHECKS = [check_ray_cluster_runs_on_loopback_only, check_same_results_as_the_local_dispatcher,
-          check_runs_spread_over_the_slots, check_a_killed_worker_retries_its_run,
+          check_runs_spread_over_the_slots, check_sglang_builds_are_made_on_the_workers,
+          check_a_killed_worker_retries_its_run,
           check_a_run_whose_worker_dies_twice_fails_clearly, check_cancel_stops_the_jobs_engines,
           check_a_killed_service_resumes_its_job, check_nothing_left_behind]

@@ -1,0 +1,134 @@
+"""The run as plain data, on whichever machine runs it: its SGLang build made there (from that
+machine's builds cache, or built), checked to be the code the service recorded, and a build that
+cannot be made there an error of that run alone."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from evalsvc.builds.build import BuildError, make_build, parse_source, resolve_commit
+from evalsvc.dispatch.base import RunTask, build_request, engine_for, execute, prepare_build
+from evalsvc.engines.base import EngineSpec
+from evalsvc.matrix import MatrixFile, expand
+from tests.builds.test_build import git
+
+FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
+
+
+@pytest.fixture
+def remote(tmp_path) -> Path:
+    """A git repository with SGLang's layout (python/sglang with srt/), branch main."""
+    root = tmp_path / "remote"
+    pkg = root / "python" / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '0.5.99'\n")
+    (pkg / "srt" / "__init__.py").write_text("")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "first")
+    return root
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """Switches the builds cache, as if the code ran on another machine."""
+    def use(name: str) -> Path:
+        root = tmp_path / name / "builds"
+        monkeypatch.setenv("EVALSVC_BUILDS_DIR", str(root))
+        return root
+    monkeypatch.setenv("FAKE_SGLANG_PYTHON", sys.executable)
+    return use
+
+
+def test_a_run_makes_its_build_where_it_runs(remote, machine):
+    machine("service-side")
+    info = prepare_build(f"git:{remote}@main", [], FAKE_PYTHON)
+    manifest = info["manifest"]
+    sha = git(remote, "rev-parse", "HEAD")
+    request = build_request(info)
+    # pinned to the commit: a branch that moves later cannot change what the runs execute
+    assert request == {"source": f"git:{remote}@{sha}", "patches": [],
+                       "package_hash": manifest["package_hash"]}
+    assert manifest["base_env"]["executable"] == FAKE_PYTHON
+
+    worker = machine("worker")  # an empty cache: the run builds it there
+    spec = engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON), request)
+    site = spec.env["PYTHONPATH"].split(os.pathsep)[0]
+    assert Path(site).is_relative_to(worker) and (Path(site) / "sglang" / "__init__.py").is_file()
+    again = engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON), request)
+    assert again.env == spec.env  # found in that machine's cache
+
+
+def test_other_code_than_recorded_is_refused(remote, machine):
+    machine("worker")
+    request = build_request(prepare_build(f"git:{remote}@main", [], FAKE_PYTHON))
+    with pytest.raises(BuildError, match=r"other code \(package hash .*\) than the job recorded"):
+        engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON),
+                   {**request, "package_hash": "0" * 64})
+
+
+def test_the_installed_sglang_is_checked_on_each_machine(machine):
+    machine("worker")
+    assert prepare_build(None, [], FAKE_PYTHON) == {"version": "0.5.23"}  # tests/data/fake-site
+    request = build_request({"version": "0.5.23"})
+    spec = EngineSpec(kind="sglang", python=FAKE_PYTHON)
+    assert engine_for(spec, request) is spec
+    with pytest.raises(BuildError, match=r"has sglang 0\.5\.23; the job's build is the installed "
+                                         r"sglang 0\.5\.19"):
+        engine_for(spec, {**request, "version": "0.5.19"})
+    with pytest.raises(BuildError, match=r"has no sglang installed"):
+        prepare_build(None, [], sys.executable)
+
+
+@pytest.mark.parametrize("python, message", [
+    (None, r"this machine has no SGLang environment \(EVALSVC_ENGINE_PYTHON\)"),
+    ("/nowhere/bin/python", r"the SGLang python /nowhere/bin/python is not on this machine"),
+])
+def test_a_machine_without_the_sglang_environment_says_so(machine, python, message):
+    machine("worker")
+    with pytest.raises(BuildError, match=message):
+        prepare_build("sglang==0.5.23", [], python)
+    with pytest.raises(BuildError, match=message):
+        engine_for(EngineSpec(kind="sglang", python=python), {"source": None, "version": "0.5.23"})
+
+
+def test_a_build_that_cannot_be_made_fails_that_run_alone(remote, machine, tmp_path):
+    """execute: the run is an error naming the build, and no engine is started for it."""
+    machine("worker")
+    matrix = MatrixFile.model_validate({
+        "name": "fake", "engine": "sglang", "models": {"m": {"path": "/models/m"}},
+        "include": [{"strategy": "extra_buffer", "overlap": True}], "scenarios": ["cold"]})
+    config = expand(matrix, hardware="gpu")[0]
+    task = RunTask.make("job-1", 7, matrix, config, EngineSpec(kind="sglang", python=FAKE_PYTHON),
+                        [("p0", [1, 2, 3])], tmp_path / "logs",
+                        build={"source": f"git:{remote}@{'f' * 40}", "patches": [],
+                               "package_hash": "0" * 64})
+    result = execute(task)
+    assert result.verdict == "error" and result.config == config.name
+    assert result.reason.startswith("engine build: ") and "unknown commit" in result.reason
+    assert result.command == [] and not (tmp_path / "logs").exists()
+
+
+def test_a_full_sha_is_resolved_without_fetching(remote, machine):
+    """A commit named by its full sha cannot move, so a mirror that has it is not fetched again
+    (each run resolves its build's sha); a branch is fetched each time."""
+    machine("service-side")
+    first = git(remote, "rev-parse", "HEAD")
+    mirror, sha = resolve_commit(parse_source(f"git:{remote}@{first}"))
+    assert sha == first
+    (remote / "python" / "sglang" / "more.py").write_text("x = 1\n")
+    git(remote, "add", "-A")
+    git(remote, "commit", "-qm", "second")
+    second = git(remote, "rev-parse", "HEAD")
+    assert resolve_commit(parse_source(f"git:{remote}@{first}")) == (mirror, first)
+    assert git(mirror, "rev-parse", "main") == first  # not fetched
+    assert resolve_commit(parse_source(f"git:{remote}@main")) == (mirror, second)
+    # a full sha the mirror lacks is fetched
+    (remote / "python" / "sglang" / "more.py").write_text("x = 2\n")
+    git(remote, "commit", "-qam", "third")
+    third = git(remote, "rev-parse", "HEAD")
+    assert make_build(f"git:{remote}@{third}").manifest["commit"] == third
