@@ -305,7 +305,7 @@ def nightly(
     evaluated, submit a job with trigger nightly."""
     import time
 
-    from evalsvc.dispatch.local import LocalDispatcher
+    from evalsvc.dispatch import make_dispatcher
     from evalsvc.jobs import JobService
     from evalsvc.nightly import NightlyError, fire, load_schedules
     from evalsvc.settings import Settings
@@ -323,7 +323,7 @@ def nightly(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     store = Store(settings.resolved_database_url())
-    jobs = JobService(settings, store, LocalDispatcher(settings.engine_slots))
+    jobs = JobService(settings, store, dispatcher=None)  # submits; with --wait a runner below
     submitted = []
     try:
         for s in schedules:
@@ -337,6 +337,7 @@ def nightly(
             if job_id:
                 submitted.append(job_id)
         if wait and submitted:
+            jobs = JobService(settings, store, make_dispatcher(settings))
             jobs.start()
             while True:
                 with store.session() as sess:
@@ -410,7 +411,7 @@ def bisect(
         _bisect_result(b["first_bad"], b["runs_used"], b["error"])
         return
 
-    from evalsvc.dispatch.local import LocalDispatcher
+    from evalsvc.dispatch import make_dispatcher
     from evalsvc.jobs import JobService
     from evalsvc.settings import Settings
     from evalsvc.store.db import Store
@@ -418,7 +419,7 @@ def bisect(
 
     settings = Settings()
     store = Store(settings.resolved_database_url())
-    jobs = JobService(settings, store, LocalDispatcher(settings.engine_slots))
+    jobs = JobService(settings, store, make_dispatcher(settings))
     bisector = Bisector(store, jobs)
     try:
         try:

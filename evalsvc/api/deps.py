@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from evalsvc.bisect import Bisector
-from evalsvc.dispatch.local import LocalDispatcher
+from evalsvc.dispatch import make_dispatcher
 from evalsvc.jobs import JobService
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
@@ -66,16 +66,6 @@ class Services:
         registry = CollectorRegistry()
         registry.register(_Collector(self))
         return generate_latest(registry)
-
-
-def make_dispatcher(settings: Settings):
-    """The Ray dispatcher when EVALSVC_RAY_ADDRESS is set, else the local engine slots."""
-    if settings.ray_address:
-        from evalsvc.dispatch.ray_backend import RayDispatcher
-
-        return RayDispatcher(settings.ray_address, settings.ray_slot_resource,
-                             retries=settings.ray_retries)
-    return LocalDispatcher(settings.engine_slots)
 
 
 class _Collector:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from evalsvc.api.deps import make_dispatcher
+from evalsvc.dispatch import make_dispatcher
 from evalsvc.dispatch.local import LocalDispatcher
 from evalsvc.dispatch.ray_backend import (
     Board,
