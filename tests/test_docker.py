@@ -203,9 +203,14 @@ def test_compose_service_settings():
     for dep in ("postgres", "ray-head"):
         assert svc["depends_on"][dep]["condition"] == "service_healthy"
     assert services["ray-worker"]["depends_on"]["ray-head"]["condition"] == "service_healthy"
-    # the worker writes run logs where the service reads them, and reads the builds it makes
+    # nothing shared but through Ray: the worker makes its builds in a /data of its own, over its
+    # own SGLang (the image's EVALSVC_ENGINE_PYTHON), and the service has no SGLang at all
     data = {v for v in svc["volumes"] if v.endswith(":/data")}
-    assert data and data <= set(services["ray-worker"]["volumes"])
+    worker_data = {v for v in services["ray-worker"]["volumes"] if v.endswith(":/data")}
+    assert data and worker_data and not data & worker_data
+    assert "EVALSVC_ENGINE_PYTHON" not in env
+    assert re.search(r"^\s*EVALSVC_ENGINE_PYTHON=\$\{SGLANG_PYTHON\}",
+                     (DOCKER / "Dockerfile.worker").read_text(), re.M)
     assert any(v.startswith("pgdata:") for v in services["postgres"]["volumes"])
     assert services["service"]["image"] == services["ray-head"]["image"]
 
