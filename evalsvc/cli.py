@@ -305,7 +305,6 @@ def nightly(
     evaluated, submit a job with trigger nightly."""
     import time
 
-    from evalsvc.dispatch import make_dispatcher
     from evalsvc.jobs import JobService
     from evalsvc.nightly import NightlyError, fire, load_schedules
     from evalsvc.settings import Settings
@@ -337,7 +336,7 @@ def nightly(
             if job_id:
                 submitted.append(job_id)
         if wait and submitted:
-            jobs = JobService(settings, store, make_dispatcher(settings))
+            jobs = JobService(settings, store, _dispatcher(settings))
             jobs.start()
             while True:
                 with store.session() as sess:
@@ -411,15 +410,15 @@ def bisect(
         _bisect_result(b["first_bad"], b["runs_used"], b["error"])
         return
 
-    from evalsvc.dispatch import make_dispatcher
     from evalsvc.jobs import JobService
     from evalsvc.settings import Settings
     from evalsvc.store.db import Store
     from evalsvc.store.models import Bisection
 
     settings = Settings()
+    dispatcher = _dispatcher(settings)
     store = Store(settings.resolved_database_url())
-    jobs = JobService(settings, store, make_dispatcher(settings))
+    jobs = JobService(settings, store, dispatcher)
     bisector = Bisector(store, jobs)
     try:
         try:
@@ -439,6 +438,17 @@ def bisect(
         jobs.stop()
         store.close()
     _bisect_result(first_bad, used, error)
+
+
+def _dispatcher(settings):
+    """Where the settings send runs (EVALSVC_RAY_ADDRESS: a Ray cluster), or exit 2 saying why not."""
+    from evalsvc.dispatch import DispatchError, make_dispatcher
+
+    try:
+        return make_dispatcher(settings)
+    except DispatchError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _bisect_result(first_bad: str | None, runs_used: int, error: str | None) -> None:

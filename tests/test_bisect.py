@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,19 @@ def test_evalsvc_bisect_finds_the_first_bad_commit_here(tmp_path, monkeypatch):
     runs = int(out.output.split(f"first bad commit: {shas[3]} (")[1].split(" run")[0])
     assert runs <= math.ceil(math.log2(4)) + 1
     assert out.output.count(" bad  ") + out.output.count(" good ") == runs
+
+
+def test_evalsvc_bisect_dispatches_where_the_settings_say(tmp_path, monkeypatch):
+    """EVALSVC_RAY_ADDRESS sends a local bisection's runs to Ray: without the ray extra that is
+    an error naming it, before anything is stored."""
+    shas = make_repo(tmp_path / "repo", [False, True])
+    monkeypatch.setenv("EVALSVC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("EVALSVC_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
+    monkeypatch.setenv("EVALSVC_RAY_ADDRESS", "127.0.0.1:6379")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
+    out = CliRunner().invoke(cli, ["bisect", "--repo", str(tmp_path / "repo"), "--good", shas[0],
+                                   "--bad", shas[-1], "--config", "mamba2-eb-ov-c64",
+                                   "--scenario", "prefill_hit"])
+    assert out.exit_code == 2, out.output
+    assert "EVALSVC_RAY_ADDRESS is set but ray is not installed" in out.output
+    assert not (tmp_path / "cli.db").exists()

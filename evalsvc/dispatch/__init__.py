@@ -6,6 +6,10 @@ from __future__ import annotations
 from evalsvc.settings import Settings
 
 
+class DispatchError(RuntimeError):
+    """Runs cannot go where the settings send them; the message names the setting."""
+
+
 def make_dispatcher(settings: Settings):
     """The Ray dispatcher when EVALSVC_RAY_ADDRESS is set, else the local engine slots."""
     if settings.ray_address:

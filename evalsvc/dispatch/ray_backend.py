@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from evalsvc.builds.build import BuildError
+from evalsvc.dispatch import DispatchError
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.harness import RunControl
 from evalsvc.settings import Settings
@@ -85,7 +86,7 @@ AUTH_HINT = ("with token authentication the service needs RAY_AUTH_MODE=token an
              "token in RAY_AUTH_TOKEN or in a file named by RAY_AUTH_TOKEN_PATH")
 
 
-class RayDispatchError(RuntimeError):
+class RayDispatchError(DispatchError):
     """The Ray cluster cannot be used (not installed, unreachable, refused the token)."""
 
 

@@ -5,6 +5,7 @@ registers the enabled schedules on their crons; bad schedule files are refused n
 from __future__ import annotations
 
 import re
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -106,6 +107,20 @@ def test_once_submits_the_newest_and_skips_what_was_evaluated(env, tracked):
     jobs = nightly_jobs(env)
     assert len(jobs) == 3
     assert jobs[-1].spec["builds"][0]["source"] == f"git:{tracked}@{git(tracked, 'rev-parse', 'HEAD')}"
+
+
+def test_nightly_runs_go_where_the_settings_send_them(env, monkeypatch):
+    """With EVALSVC_RAY_ADDRESS set, --once alone submits without touching the cluster, and
+    --wait runs the jobs on it: without the ray extra that is an error naming it, and the jobs
+    stay queued for the service."""
+    monkeypatch.setenv("EVALSVC_RAY_ADDRESS", "127.0.0.1:6379")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
+    res = CliRunner().invoke(cli, ["nightly", "--once", "--wait", "--schedule", "embedded"])
+    assert res.exit_code == 2, res.output
+    assert "embedded: submitted job" in res.output
+    assert "EVALSVC_RAY_ADDRESS is set but ray is not installed" in res.output
+    assert [j.status for j in nightly_jobs(env)] == ["queued"]
+    assert "git-main: submitted job" in once()
 
 
 def test_a_failed_nightly_job_is_tried_again(env):
