@@ -21,7 +21,8 @@ and stays the only writer of the store. Only this module imports ``ray`` (``pip 
   ``GPU``; Ray gives each task GPUs of its own, so two runs never share one). The engine sees only
   the slots Ray assigned: ``CUDA_VISIBLE_DEVICES`` is set to their ids in the engine's
   environment, and the engine's base GPU id (SGLang's ``--base-gpu-id``, default 0) counts within
-  that list. A custom resource (``engine_slot``) has ids only when every node is started with
+  that list (``slots_needed``: a config that moves it asks for the slots below it too). A custom
+  resource (``engine_slot``) has ids only when every node is started with
   ``RAY_custom_unit_instance_resources=engine_slot`` (Ray then tracks it by unit, like GPUs);
   otherwise the engine's devices are left as the worker has them. The engine does not inherit what
   Ray adds to a worker's environment (``RAY_*``, the auth token among them; ``OMP_NUM_THREADS``
@@ -100,9 +101,14 @@ def _import_ray():
 
 
 def slots_needed(config: dict[str, Any]) -> int:
-    """Engine slots (GPUs) one run of a config occupies: tensor- times pipeline-parallel size."""
+    """Engine slots (GPUs) one run of a config occupies: tensor- times pipeline-parallel size with
+    SGLang's defaults. The engine's GPU ids count within the slots Ray assigns, and SGLang puts
+    rank (pp, tp) on ``base_gpu_id + pp * tp_size + tp * gpu_id_step``, so a config that moves the
+    base or the step occupies up to its highest id."""
     args = config.get("args") or {}
-    return max(1, int(args.get("tp_size") or 1) * int(args.get("pp_size") or 1))
+    tp, pp = int(args.get("tp_size") or 1), int(args.get("pp_size") or 1)
+    base, step = int(args.get("base_gpu_id") or 0), int(args.get("gpu_id_step") or 1)
+    return max(1, base + (pp - 1) * tp + (tp - 1) * step + 1)
 
 
 def machine_key() -> str:
@@ -565,7 +571,7 @@ class RayDispatcher:
             return None
         return (f"no alive node of the Ray cluster at {self.address} offers {need} "
                 f"{self.slot_resource} (the most one node offers: {self._capacity}); the run "
-                f"needs tp_size x pp_size = {need}")
+                f"needs {need} (tp_size x pp_size, from base_gpu_id on)")
 
     def _recheck(self) -> None:
         self._checked = time.monotonic()

@@ -68,6 +68,11 @@ def test_slots_needed():
     assert slots_needed({"args": {}}) == 1
     assert slots_needed({"args": {"tp_size": 4}}) == 4
     assert slots_needed({"args": {"tp_size": 2, "pp_size": 2}}) == 4
+    # GPU ids count within the assigned slots: a moved base or step occupies up to the highest
+    assert slots_needed({"args": {"tp_size": 2, "base_gpu_id": 1}}) == 3
+    assert slots_needed({"args": {"tp_size": 2, "gpu_id_step": 2}}) == 3
+    assert slots_needed({"args": {"tp_size": 2, "pp_size": 2, "gpu_id_step": 1,
+                                  "base_gpu_id": 0}}) == 4
 
 
 def test_board_reports_and_cancels():
