@@ -131,8 +131,6 @@ def _need_python(python: str | None) -> str:
 
 class Dispatcher(Protocol):
     slots: int
-    # whether runs execute on this machine (so this process's settings describe their environment)
-    local: bool
 
     def prepare_build(self, source: str | None, patches: list[str],
                       python: str | None) -> dict[str, Any]:

@@ -13,8 +13,6 @@ from evalsvc.types import RunResult
 
 
 class LocalDispatcher:
-    local = True
-
     def __init__(self, slots: int = 1) -> None:
         self.slots = slots
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="engine-slot")

@@ -306,8 +306,6 @@ class _Flight:
 class RayDispatcher:
     """Runs as Ray tasks on the cluster at ``address`` (what ``ray.init(address=...)`` takes)."""
 
-    local = False
-
     def __init__(self, address: str, slot_resource: str = "GPU", retries: int = 1) -> None:
         ray = self._ray = _import_ray()
         self.address = address
