@@ -79,7 +79,10 @@ def other_release(version: str) -> str:
     return next(v for v in VERSIONS if v != version)
 
 
-@pytest.fixture(scope="session", params=VERSIONS)
+# One pytest-xdist worker per release: the one that builds its env runs its tests, and the
+# other worker goes on with other tests instead of waiting on the env's lock.
+@pytest.fixture(scope="session", params=[pytest.param(v, marks=pytest.mark.xdist_group(f"sglang-{v}"))
+                                         for v in VERSIONS])
 def version(request: pytest.FixtureRequest) -> str:
     return request.param
 
