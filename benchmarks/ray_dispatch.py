@@ -15,6 +15,12 @@ dispatcher in turn, one run at a time:
   deployment;
 * ``ray-driver``: ``RayDispatcher("127.0.0.1:6379")``, a driver on the cluster's network.
 
+Builds: each dispatcher's ``prepare_build`` of ``sglang==0.5.23`` (the release's wheel from
+the wheel cache, over ``tests/data/fake-python`` as the SGLang environment): the first call makes
+the build in that machine's cache (here, or on the worker), the next ones find it, which is what
+the service pays per build of a job; and ``engine_for`` on a cache hit, what each run pays on its
+machine before its engine starts.
+
 A run's overhead is the wall time from ``submit`` to its result, less the harness's own time for it
 (``RunResult.seconds``: engine start, scenarios, metrics): for Ray, placing the task, starting it
 on a worker, its reports, bringing the result and the engine log back. The first run of each
@@ -42,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from evalsvc.builds.embedded import embedded_build  # noqa: E402
-from evalsvc.dispatch.base import RunTask  # noqa: E402
+from evalsvc.dispatch.base import RunTask, build_request, engine_for, prepare_build  # noqa: E402
 from evalsvc.dispatch.local import LocalDispatcher  # noqa: E402
 from evalsvc.engines.base import EngineSpec  # noqa: E402
 from evalsvc.evaluate import tokenized  # noqa: E402
@@ -51,6 +57,9 @@ from evalsvc.workloads import load_prompts, workload_version  # noqa: E402
 from tests.dispatch.raycluster import RayCluster, loopback_only  # noqa: E402
 
 MODES = ("local", "ray-client", "ray-driver")
+BUILD_SOURCE = "sglang==0.5.23"
+FAKE_PYTHON = str(ROOT / "tests" / "data" / "fake-python")
+FOUND_CALLS = 5  # prepare_build calls after the first, per block
 
 
 def in_loopback_namespace() -> bool:
@@ -105,6 +114,28 @@ def block(dispatcher, tasks: list[RunTask]) -> list[dict]:
     return rows
 
 
+def build_block(dispatcher) -> dict:
+    """Seconds of the first ``prepare_build`` of a block and of the next ones."""
+    calls = []
+    for _ in range(1 + FOUND_CALLS):
+        t0 = time.monotonic()
+        info = dispatcher.prepare_build(BUILD_SOURCE, [], FAKE_PYTHON)
+        calls.append(round(time.monotonic() - t0, 4))
+    return {"calls": calls, "key": info["manifest"]["key"]}
+
+
+def run_check_seconds(repeats: int = 20) -> list[float]:
+    """``engine_for`` on a cache hit (this machine's cache holds the build)."""
+    request = build_request(prepare_build(BUILD_SOURCE, [], FAKE_PYTHON))
+    spec = EngineSpec(kind="sglang", python=FAKE_PYTHON)
+    out = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        engine_for(spec, request)
+        out.append(time.monotonic() - t0)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=4)
@@ -119,10 +150,14 @@ def main() -> int:
     tasks = smoke_tasks(args.num_prompts, args.configs, work / "logs")
     cluster = RayCluster(work / "ray")
     blocks: dict[str, list[dict]] = {m: [] for m in MODES}
+    builds: dict[str, list[dict]] = {m: [] for m in MODES}
+    os.environ["EVALSVC_BUILDS_DIR"] = str(work / "builds-here")  # this machine's builds cache
+    os.environ["FAKE_SGLANG_PYTHON"] = sys.executable
     try:
         t0 = time.monotonic()
         cluster.start()
-        cluster.add_worker(1)
+        cluster.add_worker(1, env={"EVALSVC_BUILDS_DIR": str(work / "builds-worker"),
+                                   "FAKE_SGLANG_PYTHON": sys.executable})
         cluster.wait_resources(1)
         cluster_seconds = time.monotonic() - t0
         os.environ.update(cluster.driver_env)  # token authentication, for the Ray dispatchers
@@ -139,11 +174,14 @@ def main() -> int:
                 connect = time.monotonic() - t0
                 try:
                     rows = block(dispatcher, tasks)
+                    builds[mode].append(build_block(dispatcher))
                 finally:
                     dispatcher.shutdown()
                 blocks[mode].append({"connect": round(connect, 3), "runs": rows})
                 print(mode, f"connect {connect:.2f} s, overhead per run "
-                      f"{[r['overhead'] for r in rows]}", flush=True)
+                      f"{[r['overhead'] for r in rows]}, prepare_build "
+                      f"{builds[mode][-1]['calls']}", flush=True)
+        run_check = run_check_seconds()
         fresh = {mode: connect_in_a_new_process(cluster.client_address if mode == "ray-client"
                                                 else cluster.address) for mode in MODES[1:]}
     finally:
@@ -165,11 +203,20 @@ def main() -> int:
             "overhead_per_run_max": round(max(rest), 3),
             "run_seconds_median": round(statistics.median(seconds), 2),
             "wall_over_run_seconds": round(sum(walls) / sum(seconds), 4)}
+    assert len({b["key"] for m in MODES for b in builds[m]}) == 1, "one build everywhere"
+    made = {"local": builds["local"][0]["calls"][0],
+            # the first Ray block makes it on the worker; every later one finds it there
+            "ray": builds[MODES[1]][0]["calls"][0]}
+    summary["builds"] = {
+        "source": BUILD_SOURCE, "made_seconds": made,
+        "found_seconds_median": {m: round(statistics.median(
+            c for b in builds[m] for c in b["calls"][1:]), 4) for m in MODES},
+        "run_check_seconds_median": round(statistics.median(run_check), 4)}
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "runs": [t.config["name"] for t in tasks], "num_prompts": args.num_prompts,
               "repeats": args.repeats, "cluster_start_seconds": round(cluster_seconds, 1),
-              "summary": summary, "blocks": blocks}
+              "summary": summary, "blocks": blocks, "builds": builds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
