@@ -57,6 +57,7 @@ from tests.dispatch.raycluster import (
     loopback_only,
     marked_pids,
 )
+from tests.dispatch.test_base import sglang_repository
 
 CONFIGS = ["mamba2-eb-ov-c64", "gdn-eb-ov-c64", "mamba2-nb-sync-c64"]
 JOB = {"matrix": "smoke", "configs": CONFIGS, "workload": {"num_prompts": 4}}
@@ -172,18 +173,6 @@ def placements(service: Service) -> list[str]:
     return re.findall(r"run (\d+) started \(attempt (\d+)\) on (.*)", text)
 
 
-def sglang_repository(root: Path) -> tuple[Path, str]:
-    """A git repository with SGLang's layout standing in for SGLang: (path, head sha)."""
-    pkg = root / "python" / "sglang"
-    (pkg / "srt").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("__version__ = '0.5.99'\n")
-    (pkg / "srt" / "__init__.py").write_text("")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "first")
-    return root, git(root, "rev-parse", "HEAD")
-
-
 def builds_of(service: Service, job_id: str) -> list[dict[str, Any]]:
     store = Store(service.env["EVALSVC_DATABASE_URL"])
     try:
@@ -263,7 +252,8 @@ def main(report_path: Path, work: Path) -> int:
 
         # 2b. SGLang jobs: builds made on the worker, over the worker's SGLang environment
         with report.step("sglang"):
-            repo, sha = sglang_repository(work / "sglang-repo")
+            repo = sglang_repository(work / "sglang-repo")
+            sha = git(repo, "rev-parse", "HEAD")
             source = f"git:{repo}@main"
             good = ray.submit({"matrix": FAKE_MATRIX, "builds": [{"source": source}]})
             bad = ray.submit({"matrix": FAKE_MATRIX,

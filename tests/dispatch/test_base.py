@@ -19,10 +19,9 @@ from tests.builds.test_build import git
 FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
 
 
-@pytest.fixture
-def remote(tmp_path) -> Path:
-    """A git repository with SGLang's layout (python/sglang with srt/), branch main."""
-    root = tmp_path / "remote"
+def sglang_repository(root: Path) -> Path:
+    """A git repository standing in for SGLang: its layout (python/sglang with srt/), branch main,
+    one commit."""
     pkg = root / "python" / "sglang"
     (pkg / "srt").mkdir(parents=True)
     (pkg / "__init__.py").write_text("__version__ = '0.5.99'\n")
@@ -31,6 +30,11 @@ def remote(tmp_path) -> Path:
     git(root, "add", "-A")
     git(root, "commit", "-qm", "first")
     return root
+
+
+@pytest.fixture
+def remote(tmp_path) -> Path:
+    return sglang_repository(tmp_path / "remote")
 
 
 @pytest.fixture
