@@ -36,7 +36,7 @@ class RunTask:
     engine: dict[str, Any]  # EngineSpec as a dict
     prompts: list[tuple[str, list[int]]]
     log_dir: str
-    # the SGLang build the run executes (see ``BuildRequest``); None: the engine spec as it is
+    # the SGLang build the run executes (a build request, see below); None: the engine spec as is
     build: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
