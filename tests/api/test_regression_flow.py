@@ -138,7 +138,13 @@ def test_a_defect_is_flagged_alerted_once_bisected_and_resolved(tmp_path, servic
     assert f"{CONFIG} / {SCENARIO} / KL at {commits[8][:10]} (last good {commits[0][:10]})" \
         in alert["text"]
     assert alert["blocks"][0]["text"]["text"] == alert["text"]  # Slack's layout too
-    stored = api.get("/api/v1/alerts").json()
+    # the service records the delivery once the webhook has answered: wait for that a moment
+    deadline = time.monotonic() + 10
+    while True:
+        stored = api.get("/api/v1/alerts").json()
+        if all(a["delivered_at"] for a in stored) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert [(a["job_id"], a["kind"], a["delivered_at"] is not None) for a in stored] == [
         (job_bad, "appeared", True)]
 
