@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -56,7 +57,8 @@ def run(
     engine_python: Annotated[str | None, typer.Option(
         help="python of the SGLang engine build")] = None,
     sglang_version: Annotated[str | None, typer.Option(
-        help="SGLang release to spell flags for (default: newest)")] = None,
+        help="SGLang release to spell flags for (default: the build's, else the one installed "
+             "in --engine-python, else the newest)")] = None,
     model: Annotated[str | None, typer.Option(
         help="model path replacing every model of the matrix")] = None,
     out: Annotated[Path | None, typer.Option(
@@ -127,6 +129,10 @@ def run(
             raise typer.Exit(2) from None
         env.update(build.env())
         sglang_version = sglang_version or build.manifest.get("version")
+    elif kind == "sglang" and not sglang_version:
+        from evalsvc.builds.build import installed_version
+
+        sglang_version = installed_version(engine_python or sys.executable)
     spec = EngineSpec(kind=kind, python=engine_python, version=sglang_version, env=env)
     try:
         cfgs, prompts = prepare(mat, spec, model)

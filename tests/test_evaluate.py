@@ -36,6 +36,21 @@ def test_dry_run_prints_each_sglang_command_for_the_release():
     assert all(argv[argv.index("--tp-size") + 1] == "4" for argv in new_lines)
 
 
+def test_dry_run_spells_the_release_installed_in_the_engine_python(tmp_path):
+    site = tmp_path / "site" / "sglang-0.5.13.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.13\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site.parent} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    out = evalsvc("run", "mamba-full", "--dry-run", "--engine-python", str(python))
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert len(lines) == 20 and all(argv[0] == str(python) for argv in lines)
+    assert all("--mamba-scheduler-strategy" in argv and "--mamba-radix-cache-strategy" not in argv
+               for argv in lines)
+
+
 def test_engine_environment_drops_simulated_acceptance(monkeypatch):
     monkeypatch.setenv("SGLANG_SIMULATE_ACC_LEN", "3")
     monkeypatch.setenv("SGLANG_SIMULATE_ACC_METHOD", "match-expected")
