@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -39,6 +40,8 @@ from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
 from evalsvc.builds.probes import SourceTreeError, probe_all
 
 MANIFEST = "manifest.json"
+# a build or mirror clone in the making older than this was left by a process that was killed
+LEFTOVER_SECONDS = 24 * 3600
 
 
 class BuildError(RuntimeError):
@@ -127,6 +130,7 @@ def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
     if (final / MANIFEST).is_file():
         return Build(key, final, json.loads((final / MANIFEST).read_text()), reused=True)
     root.mkdir(parents=True, exist_ok=True)
+    sweep_leftovers(root, ".build-")
     work = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=root))
     try:
         site = work / "site"
@@ -164,6 +168,19 @@ def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+def sweep_leftovers(parent: Path, prefix: str) -> list[Path]:
+    """Remove the work directories (``prefix*``) in ``parent`` that a killed process left: those
+    untouched for LEFTOVER_SECONDS, so another process's build in the making stays."""
+    now = time.time()
+    gone = []
+    for path in parent.glob(f"{prefix}*"):
+        with contextlib.suppress(OSError):
+            if path.is_dir() and now - path.stat().st_mtime > LEFTOVER_SECONDS:
+                shutil.rmtree(path, ignore_errors=True)
+                gone.append(path)
+    return gone
 
 
 def _resolve_ref(source: Source) -> str | None:
@@ -284,6 +301,7 @@ def git_mirror(location: str, fetch: bool = True) -> Path:
     mirrors.mkdir(parents=True, exist_ok=True)
     mirror = mirrors / hashlib.sha256(location.encode()).hexdigest()[:16]
     if not mirror.is_dir():
+        sweep_leftovers(mirrors, ".mirror-")
         tmp = Path(tempfile.mkdtemp(prefix=".mirror-", dir=mirrors))
         proc = subprocess.run(["git", "clone", "--bare", "--quiet", location, str(tmp / "repo")],
                               capture_output=True, text=True,

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -83,6 +84,18 @@ def test_git_commits_overlay_cache_and_manifest(repo, tmp_path):
                           "import importlib.util as u; print(u.find_spec('sglang').origin)"],
                          env={**os.environ, **patched.env()}, capture_output=True, text=True)
     assert out.stdout.strip() == str(patched.site / "sglang" / "__init__.py"), out.stderr[-500:]
+
+
+def test_a_killed_builds_leftovers_are_swept_and_one_in_the_making_stays(repo, tmp_path):
+    path, before, _ = repo
+    root = tmp_path / "builds"
+    killed, making = root / ".build-0123456789abcdef-killed", root / ".build-fedcba9876543210-now"
+    for d in (killed, making):
+        (d / "site" / "sglang").mkdir(parents=True)
+    day_ago = time.time() - 25 * 3600
+    os.utime(killed, (day_ago, day_ago))
+    make_build(f"git:{path}@{before}", root=root)
+    assert not killed.exists() and (making / "site" / "sglang").is_dir()
 
 
 def test_bad_builds_fail_clearly_and_cache_nothing(repo, tmp_path):
