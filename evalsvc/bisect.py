@@ -211,11 +211,8 @@ class Bisector:
         reused = run_id is not None
         job_id = None
         if run_id is None:
-            body = self._step_body(spec, f"git:{spec['repository']}@{sha}")
-            job_id = self.jobs.submit(body, trigger="bisect", extra={"bisection": bisect_id},
-                                      trusted=True)
-            with self.store.session() as s:  # counted when it starts, whatever its outcome
-                s.get(Bisection, bisect_id).runs_used += 1
+            # a step submitted before a restart is still queued or running: wait for that one
+            job_id = self._unfinished_step(bisect_id, sha) or self._submit_step(bisect_id, spec, sha)
             run_id = self._wait(job_id, sha)
         bad, verdict, reason = self._judge(spec, run_id, sha)
         step = {"sha": sha, "run_id": run_id, "job_id": job_id, "reused": reused,
@@ -228,6 +225,21 @@ class Bisector:
         if on_step is not None:
             on_step(step)
         return bad
+
+    def _submit_step(self, bisect_id: str, spec: dict[str, Any], sha: str) -> str:
+        body = self._step_body(spec, f"git:{spec['repository']}@{sha}")
+        job_id = self.jobs.submit(body, trigger="bisect", trusted=True,
+                                  extra={"bisection": bisect_id, "bisection_sha": sha})
+        with self.store.session() as s:  # counted when it starts, whatever its outcome
+            s.get(Bisection, bisect_id).runs_used += 1
+        return job_id
+
+    def _unfinished_step(self, bisect_id: str, sha: str) -> str | None:
+        with self.store.session() as s:
+            jobs = s.scalars(select(Job).where(Job.trigger == "bisect",
+                                               Job.status.not_in(FINISHED)).order_by(Job.created_at))
+            return next((j.id for j in jobs if (j.spec or {}).get("bisection") == bisect_id
+                         and j.spec.get("bisection_sha") == sha), None)
 
     def _stored_run(self, spec: dict[str, Any], sha: str) -> int | None:
         patch_set = ",".join(sorted(set(spec["patches"])))

@@ -82,6 +82,26 @@ def test_bad_bisections_are_refused_naming_the_field(tmp_path, bisector):
 
 
 @pytest.mark.slow
+def test_a_resumed_bisection_waits_for_the_step_it_had_submitted(tmp_path, bisector):
+    """A restart in the middle of a step: the step's job is still queued, and the resumed
+    bisection waits for it instead of running the commit twice."""
+    good, mid, bad = make_repo(tmp_path / "repo", [False, True, True])
+    bisect_id = bisector.submit(BisectCreate(
+        repository=str(tmp_path / "repo"), good=good, bad=bad, config="mamba2-eb-ov-c64",
+        scenario="prefill_hit", workload={"num_prompts": 4}), start=False, trusted=True)
+    with bisector.store.session() as s:
+        spec = dict(s.get(Bisection, bisect_id).spec)
+    before_restart = bisector._submit_step(bisect_id, spec, bad)
+    bisector.jobs.start()  # the restarted service's job runner, then its bisections
+    assert bisector.run(bisect_id) == mid
+    with bisector.store.session() as s:
+        b = s.get(Bisection, bisect_id)
+        jobs = [(j.id, j.spec["bisection_sha"]) for j in s.query(Job).order_by(Job.created_at)]
+        assert b.steps[0]["job_id"] == before_restart and not b.steps[0]["reused"]
+        assert [sha for _, sha in jobs] == [bad, mid] and b.runs_used == 2
+
+
+@pytest.mark.slow
 def test_evalsvc_bisect_finds_the_first_bad_commit_here(tmp_path, monkeypatch):
     shas = make_repo(tmp_path / "repo", [False, False, False, True, True])
     monkeypatch.setenv("EVALSVC_DATA_DIR", str(tmp_path / "data"))
