@@ -101,14 +101,17 @@ def _import_ray():
 
 
 def slots_needed(config: dict[str, Any]) -> int:
-    """Engine slots (GPUs) one run of a config occupies: tensor- times pipeline-parallel size with
-    SGLang's defaults. The engine's GPU ids count within the slots Ray assigns, and SGLang puts
-    rank (pp, tp) on ``base_gpu_id + pp * tp_size + tp * gpu_id_step``, so a config that moves the
-    base or the step occupies up to its highest id."""
+    """Engine slots (GPUs) one run of a config occupies: data- times tensor- times
+    pipeline-parallel size with SGLang's defaults. The engine's GPU ids count within the slots Ray
+    assigns, and SGLang puts rank (dp, pp, tp) on ``base_gpu_id + dp * tp_size * pp_size *
+    gpu_id_step + pp * tp_size + tp * gpu_id_step``, so a config that moves the base or the step
+    occupies up to its highest id. Data-parallel attention (``enable_dp_attention``, later
+    ``attn_dp_size``) splits the tensor-parallel ranks instead of adding replicas."""
     args = config.get("args") or {}
     tp, pp = int(args.get("tp_size") or 1), int(args.get("pp_size") or 1)
+    dp = 1 if args.get("enable_dp_attention") else int(args.get("dp_size") or 1)
     base, step = int(args.get("base_gpu_id") or 0), int(args.get("gpu_id_step") or 1)
-    return max(1, base + (pp - 1) * tp + (tp - 1) * step + 1)
+    return max(1, base + (dp - 1) * tp * pp * step + (pp - 1) * tp + (tp - 1) * step + 1)
 
 
 def machine_key() -> str:

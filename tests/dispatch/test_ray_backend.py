@@ -73,6 +73,11 @@ def test_slots_needed():
     assert slots_needed({"args": {"tp_size": 2, "gpu_id_step": 2}}) == 3
     assert slots_needed({"args": {"tp_size": 2, "pp_size": 2, "gpu_id_step": 1,
                                   "base_gpu_id": 0}}) == 4
+    # data-parallel replicas each take tp * pp GPUs; data-parallel attention splits the tp ranks
+    assert slots_needed({"args": {"tp_size": 2, "dp_size": 2}}) == 4
+    assert slots_needed({"args": {"tp_size": 2, "pp_size": 2, "dp_size": 2}}) == 8
+    assert slots_needed({"args": {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True}}) == 4
+    assert slots_needed({"args": {"tp_size": 4, "attn_dp_size": 4}}) == 4
 
 
 def test_board_reports_and_cancels():
