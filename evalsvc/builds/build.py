@@ -170,17 +170,14 @@ def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
         raise
 
 
-def sweep_leftovers(parent: Path, prefix: str) -> list[Path]:
+def sweep_leftovers(parent: Path, prefix: str) -> None:
     """Remove the work directories (``prefix*``) in ``parent`` that a killed process left: those
     untouched for LEFTOVER_SECONDS, so another process's build in the making stays."""
     now = time.time()
-    gone = []
     for path in parent.glob(f"{prefix}*"):
         with contextlib.suppress(OSError):
             if path.is_dir() and now - path.stat().st_mtime > LEFTOVER_SECONDS:
                 shutil.rmtree(path, ignore_errors=True)
-                gone.append(path)
-    return gone
 
 
 def _resolve_ref(source: Source) -> str | None:
