@@ -572,7 +572,7 @@ class RayDispatcher:
             return None
         return (f"no alive node of the Ray cluster at {self.address} offers {need} "
                 f"{self.slot_resource} (the most one node offers: {self._capacity}); the run "
-                f"needs {need} (tp_size x pp_size, from base_gpu_id on)")
+                f"needs {need} (dp_size x tp_size x pp_size, from base_gpu_id on)")
 
     def _recheck(self) -> None:
         self._checked = time.monotonic()
