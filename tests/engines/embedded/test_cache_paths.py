@@ -147,3 +147,22 @@ def test_deterministic_inference_is_batch_invariant(model, demo_prompts, engine_
                           for i, p in enumerate(prompts)])[0]
     assert batch.output_ids == alone.output_ids
     assert batch.input_logprobs + batch.output_logprobs == alone.input_logprobs + alone.output_logprobs
+
+
+def test_a_flush_sent_as_the_last_request_is_answered_succeeds_under_overlap(demo_prompts,
+                                                                            engine_factory):
+    """The overlap scheduler has the next step in flight when a request is answered; a flush sent
+    at that moment waits for that step instead of being refused for requests already answered."""
+    from concurrent.futures import Future
+
+    eng = engine_factory(["--model-path", FAMILIES[0], "--random-seed", "0"])
+    assert not eng.args.disable_overlap_schedule
+    ids = token_prompts(eng.tok, demo_prompts)[0][:40]
+    flushed: Future = Future()
+
+    def answered(req) -> None:  # on the scheduler's thread, as the request's answer goes out
+        eng.sched.inbox.put(("flush", flushed))
+
+    eng.sched.submit(request("r", ids, max_new_tokens=4), answered)
+    assert flushed.result(timeout=60) is True
+    assert eng.one(ids, "again", max_new_tokens=1).cached_tokens == 0
