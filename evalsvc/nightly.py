@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from sqlalchemy import select
 
+from evalsvc import children
 from evalsvc.jobs import BuildSpec, JobCreate, JobService
 from evalsvc.matrix import CONFIGS_DIR
 from evalsvc.settings import Settings
@@ -132,8 +132,8 @@ def resolve(schedule: Schedule) -> Target:
 
 
 def newest_release(package: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package,
-                          "--disable-pip-version-check"], capture_output=True, text=True)
+    out = children.run([sys.executable, "-m", "pip", "index", "versions", package,
+                        "--disable-pip-version-check"], capture_output=True, text=True)
     m = re.search(rf"^{re.escape(package)} \(([^)]+)\)", out.stdout, flags=re.M)
     if out.returncode != 0 or m is None:
         raise NightlyError(f"PyPI: cannot list releases of {package} "

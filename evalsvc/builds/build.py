@@ -36,6 +36,7 @@ from typing import Any
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from evalsvc import children
 from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
 from evalsvc.builds.probes import SourceTreeError, probe_all
 
@@ -269,7 +270,7 @@ def download_wheel(version: str) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                *WHEEL_PLATFORM, "--disable-pip-version-check", "--dest", tmp, f"sglang=={version}"]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, check=False)
+            done = children.run(cmd, capture_output=True, text=True, timeout=1200, check=False)
         except subprocess.TimeoutExpired:
             raise BuildError(f"sglang=={version}: the download timed out") from None
         got = cached_wheel(Path(tmp), version)
@@ -284,8 +285,8 @@ def download_wheel(version: str) -> Path:
 
 def git(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     """``git ARGS`` in ``cwd`` (no prompts); with ``check``, a BuildError when it fails."""
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    proc = children.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                        env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     if check and proc.returncode != 0:
         raise BuildError(f"git {' '.join(args[:2])} failed in {cwd}: {proc.stderr.strip()[-300:]}")
     return proc
@@ -300,9 +301,9 @@ def git_mirror(location: str, fetch: bool = True) -> Path:
     if not mirror.is_dir():
         sweep_leftovers(mirrors, ".mirror-")
         tmp = Path(tempfile.mkdtemp(prefix=".mirror-", dir=mirrors))
-        proc = subprocess.run(["git", "clone", "--bare", "--quiet", location, str(tmp / "repo")],
-                              capture_output=True, text=True,
-                              env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        proc = children.run(["git", "clone", "--bare", "--quiet", location, str(tmp / "repo")],
+                            capture_output=True, text=True,
+                            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
         if proc.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BuildError(f"repository {location}: cannot be cloned "
@@ -331,7 +332,7 @@ def installed_version(python: str) -> str | None:
     None when it has none or the python cannot run."""
     code = "import importlib.metadata as m; print(m.version('sglang'))"
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+        out = children.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
@@ -347,7 +348,7 @@ def base_env_info(python: str) -> dict[str, Any]:
             "    try: out[p] = m.version(p)\n"
             "    except m.PackageNotFoundError: pass\n"
             "print(json.dumps(out))")
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    proc = children.run([python, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         raise BuildError(f"base python {python}: cannot run it ({proc.stderr.strip()[-200:]})")
     return {"executable": python, **json.loads(proc.stdout)}

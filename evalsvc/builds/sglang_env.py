@@ -55,6 +55,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from evalsvc import children
+
 ENV_DIR_VARIABLE = "EVALSVC_SGLANG_ENV_DIR"
 MARKER = "evalsvc-sglang-env.json"
 RECIPE_VERSION = 1
@@ -274,8 +276,8 @@ def _run(version: str, step: str, argv: Sequence[str], timeout: float) -> str:
                                                               "VIRTUAL_ENV")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     try:
-        done = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=timeout, env=env, check=False)
+        done = children.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired as exc:
         output = (_text(exc.stdout) + _text(exc.stderr))
         raise SGLangEnvError(version, step, f"timed out after {timeout:.0f} s", output) from None

@@ -11,21 +11,20 @@ the process that started it dies (a Ray worker, whose engine nobody else would s
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
+from evalsvc.children import parent_death_signal
+
 SCRUBBED_ENV_PREFIXES = ("SGLANG_SIMULATE_ACC",)
-PR_SET_PDEATHSIG = 1
 
 
 class EngineStartError(RuntimeError):
@@ -45,21 +44,6 @@ def free_port() -> int:
 def embedded_command(port: int, flags: Sequence[str] = (), python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "evalsvc.engines.embedded", "--port", str(port),
             *flags]
-
-
-def parent_death_signal() -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGKILL when the thread that forks it exits (Linux
-    ``PR_SET_PDEATHSIG``; the harness starts engines from the thread that runs the run). libc is
-    looked up here, before the fork; the child only makes the call."""
-    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    parent = os.getpid()
-
-    def arm() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the call: nobody will signal us
-            os._exit(1)
-
-    return arm
 
 
 def clean_env(extra: dict[str, str] | None = None, unset: Sequence[str] = ()) -> dict[str, str]:
