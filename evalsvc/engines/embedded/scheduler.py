@@ -243,6 +243,7 @@ class Scheduler:
         self._launches = 0
         self.inbox: queue.Queue = queue.Queue()
         self.flushes: list[Future] = []
+        self.held: list[Req] = []  # finished requests whose answer waits for the step ahead
         self.stats = Stats()
         self._stop = threading.Event()
         self._seed_counter = 0
@@ -306,7 +307,7 @@ class Scheduler:
                 and not self.to_merge and self.inflight_batches == 0)
 
     def _unfinished(self) -> bool:
-        """Whether a request not yet answered is held (the overlap's step ahead aside)."""
+        """Whether a request that has not finished is held (the overlap's step ahead aside)."""
         return bool(self.waiting or self.chunked_req is not None or self.to_merge
                     or any(not r.finished for r in self.running.reqs))
 
@@ -770,16 +771,25 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
         self.stats.finished_requests += 1
-        req.done(req)
-        self._maybe_release(req)
+        if req.inflight > 0:  # the overlap's step ahead still holds it: released when back
+            self.held.append(req)
+        else:
+            self._release(req)
 
     def _maybe_release(self, req: Req) -> None:
-        if req.inflight > 0 or req.released:
-            return
+        if req.inflight == 0 and not req.released:
+            self._release(req)
+
+    def _release(self, req: Req) -> None:
+        """Cache a finished request in the tree, then answer it (as SGLang does): a request sent
+        once this one is answered finds its prefix cached."""
         req.released = True
         self._cache_finished(req)
         key = req.key
         self.stream.submit(lambda: self.runner.release(key))
+        if req in self.held:
+            self.held.remove(req)
+        req.done(req)
 
     # ---- caching requests in the tree ------------------------------------------------------
     def _cache_unfinished(self, req: Req) -> None:
@@ -858,6 +868,9 @@ class Scheduler:
         return None
 
     def _abort_all(self, message: str, status: int = 500) -> None:
+        for req in self.held:  # finished, the answer waited for the step ahead: it is whole
+            req.done(req)
+        self.held.clear()
         reqs = list(self.waiting) + list(self.running.reqs) + list(self.to_merge)
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)

@@ -10,6 +10,7 @@ cache, no MTP) token for token.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 
 import pytest
 
@@ -151,10 +152,8 @@ def test_deterministic_inference_is_batch_invariant(model, demo_prompts, engine_
 
 def test_a_flush_sent_as_the_last_request_is_answered_succeeds_under_overlap(demo_prompts,
                                                                             engine_factory):
-    """The overlap scheduler has the next step in flight when a request is answered; a flush sent
-    at that moment waits for that step instead of being refused for requests already answered."""
-    from concurrent.futures import Future
-
+    """The overlap scheduler has the next step in flight when a request's last token comes back;
+    a flush sent the moment the request is answered is not refused for that step."""
     eng = engine_factory(["--model-path", FAMILIES[0], "--random-seed", "0"])
     assert not eng.args.disable_overlap_schedule
     ids = token_prompts(eng.tok, demo_prompts)[0][:40]
@@ -166,3 +165,25 @@ def test_a_flush_sent_as_the_last_request_is_answered_succeeds_under_overlap(dem
     eng.sched.submit(request("r", ids, max_new_tokens=4), answered)
     assert flushed.result(timeout=60) is True
     assert eng.one(ids, "again", max_new_tokens=1).cached_tokens == 0
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_a_request_sent_as_another_is_answered_hits_its_decode_snapshot(model, demo_prompts,
+                                                                        engine_factory):
+    """Under overlap a finished request is put into the tree before it is answered (as in SGLang):
+    a follow-up sent at that moment (a chat's next turn) hits the state its decode tracked."""
+    interval = 64
+    eng = engine_factory(["--model-path", model, "--random-seed", "0",
+                          "--mamba-track-interval", str(interval)])
+    assert not eng.args.disable_overlap_schedule
+    ids = token_prompts(eng.tok, demo_prompts)[0][:40]
+    follow: Future = Future()
+
+    def answered(first) -> None:  # on the scheduler's thread, as the answer goes out
+        eng.sched.submit(request("next", first.origin + first.output_ids, max_new_tokens=1),
+                         follow.set_result)
+
+    eng.sched.submit(request("first", ids, max_new_tokens=interval - len(ids) + 8), answered)
+    nxt = follow.result(timeout=60)
+    assert nxt.error is None, nxt.error
+    assert nxt.cached_tokens == interval
