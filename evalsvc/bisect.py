@@ -207,12 +207,13 @@ class Bisector:
 
     def _step(self, bisect_id: str, spec: dict[str, Any], sha: str, on_step) -> bool:
         """Evaluate one commit (or reuse its stored run): True when it is bad."""
-        run_id = self._stored_run(spec, sha)
+        # a step submitted before a restart and still queued or running is waited for; asked
+        # before the stored runs, so one that ends between the two questions is found stored
+        job_id = self._unfinished_step(bisect_id, sha)
+        run_id = None if job_id else self._stored_run(spec, sha)
         reused = run_id is not None
-        job_id = None
         if run_id is None:
-            # a step submitted before a restart is still queued or running: wait for that one
-            job_id = self._unfinished_step(bisect_id, sha) or self._submit_step(bisect_id, spec, sha)
+            job_id = job_id or self._submit_step(bisect_id, spec, sha)
             run_id = self._wait(job_id, sha)
         bad, verdict, reason = self._judge(spec, run_id, sha)
         step = {"sha": sha, "run_id": run_id, "job_id": job_id, "reused": reused,
