@@ -33,8 +33,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie waits for a reaper; it runs no more
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie waits for a reaper; it runs no more
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # reaped meanwhile
+        return False
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])

@@ -23,9 +23,10 @@ from tests.processes import exists
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parents[1] / "data"
-# the fake SGLang server; those started with no_buffer take 10 s to start
+# the fake SGLang server; those started with no_buffer take 20 s to start (time enough to submit
+# fifty jobs behind one on a loaded machine)
 FAKE_ENV = {"EVALSVC_ENGINE_PYTHON": str(DATA / "fake-python"), "FAKE_SGLANG_PYTHON": sys.executable,
-            "FAKE_SGLANG_MODE": "slow_start",
+            "FAKE_SGLANG_MODE": "slow_start", "FAKE_SGLANG_START_SECONDS": "20",
             "FAKE_SGLANG_WHEN": "mamba_radix_cache_strategy=no_buffer"}
 # a one-config matrix on the fake SGLang server (a shipped model directory for its tokenizer)
 FAKE_MATRIX = {

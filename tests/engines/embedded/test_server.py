@@ -463,7 +463,7 @@ def test_malformed_request_gets_400_naming_the_field(client: httpx.Client, reque
 
 @pytest.mark.slow
 def test_a_bad_request_does_not_disturb_one_in_flight(client: httpx.Client):
-    n = 150
+    n = 1000  # seconds of decoding: still running when the bad request is answered
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(client.post, "/generate",
                           json={"text": SHORT_PROMPT, "sampling_params": greedy(n)})
@@ -497,7 +497,7 @@ def test_flush_cache_when_idle_succeeds_and_empties_the_prefix_cache(client: htt
 
 @pytest.mark.slow
 def test_flush_cache_is_refused_while_a_request_runs(client: httpx.Client):
-    n = 200
+    n = 1000  # seconds of decoding: still running when the flush is answered
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(generate, client, text=SHORT_PROMPT, sampling_params=greedy(n))
         wait_until(lambda: fut.done() or metric(client.get("/metrics").text,
