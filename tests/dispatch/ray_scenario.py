@@ -19,6 +19,7 @@ machine is not reachable from the namespace). Steps, timed:
    the patch and the node.
 3. ``kill_twice``: a one-run job whose worker is killed in both attempts: the run is an error that
    says so, and the job ends.
+   ``too_wide``: a run with ``tp_size`` 4, more slots than any node offers: an error at once.
 4. ``cancel``: a job cancelled while its engines run.
 5. ``restart``: the Ray service SIGKILLed mid-job (Ray then kills its tasks' workers, and their
    engines die with them), then started again with the head's GCS address (a driver on the
@@ -64,6 +65,10 @@ JOB = {"matrix": "smoke", "configs": CONFIGS, "workload": {"num_prompts": 4}}
 RETRIED = "gdn-eb-ov-c64"  # the run whose Ray worker is killed once
 KILLED = "mamba2-noradix-sync-nochunk"  # the run whose worker is killed in both attempts
 SLOTS = 2
+WIDE_MATRIX = {"name": "wide", "engine": "embedded",
+               "models": {"m": {"path": "hybrid-mamba2-tiny", "tp_size": 2 * SLOTS}},
+               "include": [{"strategy": "extra_buffer", "overlap": True}],
+               "workload": {"num_prompts": 2, "max_new_tokens": 4}, "scenarios": ["cold"]}
 FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
 PATCH = "pr37165-clear-deferred-mamba-metadata"  # does not apply to the stand-in SGLang tree
 RUN_LOG = re.compile(r"evalsvc-ray-runs/(\d+)-\d+-[^/]*/([^/]+)\.log$")
@@ -279,6 +284,14 @@ def main(report_path: Path, work: Path) -> int:
             job = ray.wait(kill_job, timeout=300)
             report["kill_twice"] = {"status": job["status"], "kills": kills,
                                     "runs": results(ray, job)}
+
+        # 3b. a run that needs more slots than any node offers (tp_size 4, two slots a node)
+        with report.step("too_wide"):
+            t_wide = time.monotonic()
+            wide_job = ray.submit({"matrix": WIDE_MATRIX})
+            job = ray.wait(wide_job, timeout=120)
+            report["too_wide"] = {"status": job["status"], "runs": list(results(ray, job).values()),
+                                  "seconds": round(time.monotonic() - t_wide, 1)}
 
         # 4. cancel while its engines run
         with report.step("cancel"):

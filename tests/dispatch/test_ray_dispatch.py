@@ -185,6 +185,19 @@ def check_a_run_whose_worker_dies_twice_fails_clearly(report):
     assert "WorkerCrashedError" in run["reason"], run["reason"]
 
 
+def check_a_run_no_node_can_place_fails_at_once(report):
+    """tp_size 4 with two slots on the one worker: an error naming the need and the most a node
+    offers, without waiting for a node that will never come."""
+    w = report["too_wide"]
+    assert w["status"] == "done", w
+    (run,) = w["runs"]
+    assert run["status"] == "done" and run["verdict"] == "error", run
+    assert f"offers {2 * SLOTS} engine_slot (the most one node offers: {SLOTS})" in run["reason"], \
+        run["reason"]
+    assert "dp_size x tp_size x pp_size" in run["reason"], run["reason"]
+    assert w["seconds"] < 30, w
+
+
 def check_cancel_stops_the_jobs_engines(report):
     c = report["cancel"]
     assert c["response"]["status"] == "cancelling" and c["status"] == "cancelled"
@@ -213,5 +226,6 @@ def check_nothing_left_behind(report):
 CHECKS = [check_ray_cluster_runs_on_loopback_only, check_same_results_as_the_local_dispatcher,
           check_runs_spread_over_the_slots, check_sglang_builds_are_made_on_the_workers,
           check_a_killed_worker_retries_its_run,
-          check_a_run_whose_worker_dies_twice_fails_clearly, check_cancel_stops_the_jobs_engines,
+          check_a_run_whose_worker_dies_twice_fails_clearly,
+          check_a_run_no_node_can_place_fails_at_once, check_cancel_stops_the_jobs_engines,
           check_a_killed_service_resumes_its_job, check_nothing_left_behind]
