@@ -6,7 +6,9 @@ inherit; ``marked_processes`` finds the engine processes (embedded or fake SGLan
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -63,3 +65,28 @@ def assert_gone(pids: list[int], timeout: float = 5.0) -> None:
             time.monotonic() < deadline):
         time.sleep(0.05)
     assert not left, f"still running: {left}"
+
+
+def outlives_its_parent(argv: list[str], how: signal.Signals = signal.SIGKILL) -> bool:
+    """Starts ``argv``, a parent that starts a child and prints the child's pid, sends the parent
+    ``how`` and tells whether the child still runs 5 s after the parent is gone (then kills it)."""
+    parent = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert exists(child), "the child was not running"
+        parent.send_signal(how)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while exists(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return exists(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        parent.stdout.close()
+        if child is not None:
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(OSError):
+                    kill(child, signal.SIGKILL)

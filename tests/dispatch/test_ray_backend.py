@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from evalsvc.dispatch.ray_backend import (
 )
 from evalsvc.engines.launch import clean_env
 from evalsvc.settings import Settings
-from tests.processes import exists
+from tests.processes import outlives_its_parent
 
 PACKAGE = Path(__file__).parents[2] / "evalsvc"
 
@@ -138,22 +136,5 @@ PARENT = textwrap.dedent("""
 def test_engine_dies_with_its_launcher_when_asked(die_with_parent):
     """SIGKILL of the process that started an engine: with ``die_with_parent`` the engine goes
     too (PR_SET_PDEATHSIG); without it the engine outlives it, as a restarted service expects."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, "1" if die_with_parent else "0"],
-                              stdout=subprocess.PIPE, text=True)
-    child = None
-    try:
-        child = int(parent.stdout.readline())
-        assert exists(child)
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 5
-        while exists(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert exists(child) is not die_with_parent
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        parent.stdout.close()
-        if child is not None and exists(child):
-            os.killpg(child, signal.SIGKILL)
+    outlived = outlives_its_parent([sys.executable, "-c", PARENT, "1" if die_with_parent else "0"])
+    assert outlived is not die_with_parent
