@@ -242,7 +242,6 @@ class Scheduler:
         self.inflight_batches = 0
         self._launches = 0
         self.inbox: queue.Queue = queue.Queue()
-        self.flushes: list[Future] = []
         self.held: list[Req] = []  # finished requests whose answer waits for the step ahead
         self.stats = Stats()
         self._stop = threading.Event()
@@ -295,26 +294,13 @@ class Scheduler:
                 log.exception("scheduler step failed; aborting the requests involved")
                 self._abort_all("internal error in the embedded engine (see its log)")
                 last = None
-            if self.flushes and (last is None or self._unfinished()):
-                self._answer_flushes(self._flush())
             self._update_gauges()
         self._recv(block=False)  # what came in during shutdown is answered too
         self._abort_all("the server is shutting down", status=503)
-        self._answer_flushes(False)
 
     def _idle(self) -> bool:
         return (not self.waiting and not self.running.reqs and self.chunked_req is None
                 and not self.to_merge and self.inflight_batches == 0)
-
-    def _unfinished(self) -> bool:
-        """Whether a request that has not finished is held (the overlap's step ahead aside)."""
-        return bool(self.waiting or self.chunked_req is not None or self.to_merge
-                    or any(not r.finished for r in self.running.reqs))
-
-    def _answer_flushes(self, ok: bool) -> None:
-        for fut in self.flushes:
-            fut.set_result(ok)
-        self.flushes.clear()
 
     def _recv(self, block: bool) -> None:
         while True:
@@ -326,9 +312,7 @@ class Scheduler:
             if kind == "generate":
                 self._add_request(*payload)
             elif kind == "flush":
-                # Decided after this step: with the overlap scheduler a batch launched one step
-                # ahead may still be in flight for requests that have already been answered.
-                self.flushes.append(payload)
+                payload.set_result(self._flush())
 
     def _add_request(self, inp: GenerateInput, done: Callable[[Req], None]) -> None:
         seed = inp.sampling.sampling_seed
