@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pytest-xdist processes (the slow tests are engine-bound: one core each)
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint lint-docker setup clean chromium
+.PHONY: run test lint lint-docker setup clean chromium sglang-cpu
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ lint: $(STAMP)
 lint-docker: $(STAMP)
 	$(BIN)/hadolint --failure-threshold style docker/Dockerfile.service docker/Dockerfile.worker
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
+
+# real SGLang 0.5.17 on this CPU (needs AVX-512 and AMX, and the kernel wheel of ../shared/sglang-cpu
+# or EVALSVC_SGLANG_CPU_KERNEL); refuses at once, naming what is missing, on other machines
+sglang-cpu: $(STAMP)
+	$(BIN)/python -m evalsvc.builds.sglang_cpu --dest .venv-sglang-cpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache
