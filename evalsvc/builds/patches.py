@@ -17,6 +17,18 @@ Patches:
   statements (``self.forward_mode = ForwardMode.DECODE``, the ``input_embeds`` reset), before the
   context-parallel reset and the speculative branch, with a blank line either side. Applied to 0.5.19
   it gives the statements 0.5.20 has there.
+* ``defect:deferred-ops-dropped``: a *defect patch*, the reverse of a fix: it puts back the bug PR
+  #24954's review found (KL 0.0006 -> 0.06 with chunked prefill and no extra buffer), so that a
+  build of real SGLang carries a known state bug for the service to catch. In
+  ``ScheduleBatch._collect_deferred_mamba_cow_and_clear`` it inserts, first in the loop over the
+  batch's requests, an ``if`` that drops a request's recorded copy-on-write when the extra buffer is
+  off and this extend does not reach the end of the request's input (its prefill is split into
+  chunks): the source index is forgotten and the fresh slot is neither copied nor cleared, so the
+  first chunk runs on whatever that slot held. The strategy is read the way ``prepare_for_extend``
+  reads it (the test of its first ``if`` on the extra buffer); the chunk test compares
+  ``Req.get_fill_ids()`` with ``full_untruncated_fill_ids`` where ``Req`` has them (0.5.13 on), else
+  ``fill_ids`` with ``origin_input_ids + output_ids``. Its probe says ``present`` once the loop
+  starts with that ``if``; a tree without the collector (before PR #24954) is ``not_applicable``.
 * ``pr24954-forward-stream-mamba-ops``: not available. The PR changes about ten modules (Mamba pool,
   radix caches, unified-cache component, schedule batch, forward batch, attention backends,
   speculative info) of a tree that was moving quickly; no faithful backport to the releases before
@@ -26,6 +38,7 @@ Patches:
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import os
 import re
@@ -40,10 +53,14 @@ from evalsvc.builds.probes import (
     FIXES,
     FORWARD_STREAM_MAMBA_OPS,
     SCHEDULE_BATCH,
+    FunctionNode,
     ProbeResult,
     SourceTree,
     Status,
+    _classes,
+    _methods,
     find_prepare_for_decode,
+    find_schedule_batch,
     inspect_prepare_for_decode,
     probe,
     source_version,
@@ -60,10 +77,12 @@ Transform = Callable[[SourceTree], dict[str, bytes]]
 @dataclass(frozen=True)
 class Patch:
     name: str
-    fix: str
+    fix: str  # the fix it backports; for a defect patch, its own name
     description: str
     transform: Transform | None = None
     unavailable: str | None = None
+    # a defect patch's own probe (present: the defect is in the tree); fixes use FIXES' probes
+    check: Callable[[SourceTree], ProbeResult] | None = None
 
     @property
     def available(self) -> bool:
@@ -157,6 +176,160 @@ def _insert_decode_clearing(tree: SourceTree) -> dict[str, bytes]:
     return {rel: new_data}
 
 
+DEFERRED_OPS_DROPPED = "defect:deferred-ops-dropped"
+COLLECT_DEFERRED = "_collect_deferred_mamba_cow_and_clear"
+DEFECT_COMMENT = ("# defect patch {name} (SGLang PR #24954 review): with no extra\n"
+                  "# buffer, a request whose prefill is split into chunks loses its deferred\n"
+                  "# copy-on-write; its fresh slot is neither copied nor cleared.")
+
+
+def _collector_loop(module: ast.Module | None) -> tuple[FunctionNode, ast.For] | None:
+    """``ScheduleBatch._collect_deferred_mamba_cow_and_clear`` and its loop over requests."""
+    cls = find_schedule_batch(module)
+    function = _methods(cls).get(COLLECT_DEFERRED) if cls is not None else None
+    if function is None:
+        return None
+    loop = next((s for s in function.body if isinstance(s, ast.For)
+                 and isinstance(s.target, ast.Name)), None)
+    return (function, loop) if loop is not None else None
+
+
+def _state_holder(loop: ast.For) -> str | None:
+    """Where the loop reads a request's Mamba state fields: ``req`` (up to 0.5.17) or ``req.kv``
+    (0.5.19 on), from its first ``.mamba_cow_src_index``."""
+    for stmt in loop.body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Attribute) and node.attr == "mamba_cow_src_index":
+                return ast.unparse(node.value)
+    return None
+
+
+def _drops_cow(loop: ast.For) -> bool:
+    """Whether the loop starts with an ``if`` that forgets the request's COW source and skips it."""
+    first = loop.body[0]
+    holder = _state_holder(loop)
+    return (isinstance(first, ast.If) and isinstance(first.body[-1], ast.Continue)
+            and any(isinstance(s, ast.Assign) and len(s.targets) == 1
+                    and ast.unparse(s.targets[0]) == f"{holder}.mamba_cow_src_index"
+                    and isinstance(s.value, ast.Constant) and s.value.value is None
+                    for s in first.body))
+
+
+def _probe_dropped_cow(tree: SourceTree) -> ProbeResult:
+    name = DEFERRED_OPS_DROPPED
+    found = _collector_loop(tree.module(SCHEDULE_BATCH))
+    label = tree.label(SCHEDULE_BATCH)
+    if found is None:
+        return ProbeResult(name, Status.NOT_APPLICABLE, [
+            f"{label}: no ScheduleBatch.{COLLECT_DEFERRED} with a loop over requests (the deferred "
+            "COW/clear of PR #24954 is not in this tree)"])
+    if _drops_cow(found[1]):
+        return ProbeResult(name, Status.PRESENT, [
+            f"{label}: ScheduleBatch.{COLLECT_DEFERRED} drops the COW of chunked requests "
+            f"(line {found[1].body[0].lineno})"])
+    return ProbeResult(name, Status.ABSENT, [
+        f"{label}: ScheduleBatch.{COLLECT_DEFERRED} records every request's COW"])
+
+
+def _extra_buffer_test(module: ast.Module) -> str | None:
+    """How ``prepare_for_extend`` asks whether the extra buffer is on, as one expression: the test of
+    its first ``if`` on ``extra_buffer`` (not ``lazy``), with the function's own locals replaced by
+    what they were assigned. The releases spell it ``get_global_server_args().enable_mamba_extra_
+    buffer()`` (0.5.13), ``server_args.enable_mamba_extra_buffer()`` (0.5.17), ``mamba_extra_
+    buffer_enabled()`` (0.5.19) and ``get_exec().mamba.enable_mamba_extra_buffer`` (0.5.20 on)."""
+    cls = find_schedule_batch(module)
+    function = _methods(cls).get("prepare_for_extend") if cls is not None else None
+    if function is None:
+        return None
+    assigned = {node.targets[0].id: node.value for node in ast.walk(function)
+                if isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)}
+
+    class Inline(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.expr:
+            return assigned.get(node.id, node)
+
+    tests = sorted((n for n in ast.walk(function) if isinstance(n, ast.If)), key=lambda n: n.lineno)
+    for node in tests:
+        test = node.test
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test = test.operand
+        text = ast.unparse(test)
+        if "extra_buffer" in text and "lazy" not in text:
+            return ast.unparse(Inline().visit(copy.deepcopy(test)))
+    return None
+
+
+def _chunked_test(module: ast.Module, var: str) -> str | None:
+    """An expression that is true when this extend of ``var`` stops short of its input's end."""
+    req = _classes(module).get("Req")
+    if req is None:
+        return None
+    methods = _methods(req)
+    assigned = {t.attr for node in ast.walk(req) if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Attribute)}
+    if "get_fill_ids" in methods and "full_untruncated_fill_ids" in assigned:
+        return f"len({var}.get_fill_ids()) < len({var}.full_untruncated_fill_ids)"
+    if "fill_ids" in assigned:
+        return f"len({var}.fill_ids) < len({var}.origin_input_ids) + len({var}.output_ids)"
+    return None
+
+
+def _drop_chunked_cow(tree: SourceTree) -> dict[str, bytes]:
+    name = DEFERRED_OPS_DROPPED
+    rel = SCHEDULE_BATCH
+    path = tree.path(rel)
+
+    def fail(why: str) -> PatchError:
+        return PatchError(f"{name}: {path}: {why}; nothing was changed")
+
+    data = path.read_bytes()
+    try:
+        module = ast.parse(data, filename=str(path))
+        text = data.decode("utf-8")
+    except (SyntaxError, UnicodeDecodeError) as exc:
+        raise fail(f"cannot parse ({exc})") from exc
+    found = _collector_loop(module)
+    if found is None:
+        raise fail(f"no ScheduleBatch.{COLLECT_DEFERRED} with a loop over requests")
+    loop = found[1]
+    var = loop.target.id
+    holder = _state_holder(loop)
+    if holder is None:
+        raise fail(f"the loop of {COLLECT_DEFERRED} reads no mamba_cow_src_index")
+    extra_buffer = _extra_buffer_test(module)
+    if extra_buffer is None:
+        raise fail("ScheduleBatch.prepare_for_extend has no `if` on the extra buffer to read the "
+                   "Mamba strategy from")
+    chunked = _chunked_test(module, var)
+    if chunked is None:
+        raise fail("Req has neither get_fill_ids/full_untruncated_fill_ids nor fill_ids to tell a "
+                   "chunked extend")
+    lines = _split_lines(text)
+    anchor = loop.body[0]
+    indent = lines[anchor.lineno - 1][: anchor.col_offset]
+    if indent.strip() or anchor.lineno == loop.lineno:
+        raise fail(f"statement at line {anchor.lineno} does not start its line")
+    newline = _ending(lines[anchor.lineno - 1]) or "\n"
+    block = [*(f"{indent}{c}" for c in DEFECT_COMMENT.format(name=name).split("\n")),
+             f"{indent}if ({holder}.mamba_cow_src_index is not None",
+             f"{indent}        and not {extra_buffer}",
+             f"{indent}        and {chunked}):",
+             f"{indent}    {holder}.mamba_cow_src_index = None",
+             f"{indent}    {holder}.mamba_needs_clear = False",
+             f"{indent}    continue"]
+    at = anchor.lineno - 1
+    new_data = "".join(lines[:at] + [line + newline for line in block] + lines[at:]).encode("utf-8")
+    try:
+        new_module = ast.parse(new_data, filename=str(path))
+    except SyntaxError as exc:
+        raise fail(f"the edit does not parse ({exc})") from exc
+    new_found = _collector_loop(new_module)
+    if new_found is None or not _drops_cow(new_found[1]):
+        raise fail(f"after the edit {COLLECT_DEFERRED} does not start its loop with the drop")
+    return {rel: new_data}
+
+
 def _unavailable(fix: str, why: str) -> Patch:
     return Patch(fix, fix, FIXES[fix].title, unavailable=why)
 
@@ -168,6 +341,14 @@ PATCHES: dict[str, Patch] = {
         "Insert the three `self.<field> = None` assignments at the top of ScheduleBatch.prepare_for_decode, "
         "before the speculative branch (SGLang PR #37165)",
         transform=_insert_decode_clearing,
+    ),
+    DEFERRED_OPS_DROPPED: Patch(
+        DEFERRED_OPS_DROPPED,
+        DEFERRED_OPS_DROPPED,
+        "Defect: drop the deferred copy-on-write of a prefix hit whose prefill is split into chunks "
+        "when the extra buffer is off (the bug PR #24954's review found)",
+        transform=_drop_chunked_cow,
+        check=_probe_dropped_cow,
     ),
     FORWARD_STREAM_MAMBA_OPS: _unavailable(
         FORWARD_STREAM_MAMBA_OPS,
@@ -189,6 +370,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _probe_patch(patch: Patch, root: Path) -> ProbeResult:
+    if patch.check is None:
+        return probe(root, patch.fix)
+    result = patch.check(SourceTree(root))
+    result.evidence.insert(0, f"sglang {source_version(root) or '(version unknown)'} at "
+                              f"{SourceTree(root).pkg}")
+    return result
+
+
 def apply_patch(root: Path, name: str) -> PatchResult:
     """Apply the patch ``name`` (a key of :data:`PATCHES`) to the source tree at ``root``."""
     if name not in PATCHES:
@@ -196,7 +386,7 @@ def apply_patch(root: Path, name: str) -> PatchResult:
     patch = PATCHES[name]
     tree = SourceTree(root)
     version = source_version(root)
-    before = probe(root, patch.fix)
+    before = _probe_patch(patch, root)
     if before.status is Status.PRESENT:
         return PatchResult(name, patch.fix, version, before, before)
     if before.status is Status.NOT_APPLICABLE:
@@ -224,7 +414,7 @@ def apply_patch(root: Path, name: str) -> PatchResult:
         for rel, data in new_files.items():
             _write_atomic(tree.path(rel), data)
             written.append(rel)
-        after = probe(root, patch.fix)
+        after = _probe_patch(patch, root)
         if after.status is not Status.PRESENT:
             raise PatchError(f"{name}: after patching the probe says {after.status.value}, "
                              "restored the files: " + "; ".join(after.evidence[1:]))
