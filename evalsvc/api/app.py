@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from evalsvc import __version__
 from evalsvc.api import routes
-from evalsvc.api.deps import Services
+from evalsvc.api.deps import Services, require_read
+from evalsvc.api.middleware import HttpGuard
 from evalsvc.dashboard import mount_dashboard
 from evalsvc.settings import Settings
 
@@ -34,6 +35,8 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
                   description="Accuracy and KL-divergence evaluation of SGLang's Mamba-hybrid "
                               "serving paths: jobs, results, history and comparisons.")
     app.state.settings = settings
+    # outermost of the app's own layers: auth, parameters and body size before any route runs
+    app.add_middleware(HttpGuard, settings=settings)
     app.include_router(routes.router, prefix="/api/v1")
     mount_dashboard(app)
 
@@ -50,7 +53,8 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
         services.ping()
         return {"status": "ok", "version": __version__}
 
-    @app.get("/metrics", tags=["service"], response_class=Response)
+    @app.get("/metrics", tags=["service"], response_class=Response,
+             dependencies=[Depends(require_read)])
     def metrics() -> Response:
         """Prometheus text: queue length, running runs, job outcomes, run durations."""
         services: Services = app.state.services

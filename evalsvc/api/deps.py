@@ -117,7 +117,12 @@ def _check(tokens: list[str | None], creds: HTTPAuthorizationCredentials | None,
 
 def require_write(request: Request,
                   creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    _check([request.app.state.settings.api_token], creds, "this endpoint")
+    settings = request.app.state.settings
+    if not settings.api_token and settings.read_token:  # reads closed, so writes are not open
+        raise HTTPException(status_code=403, detail="writes are off: this service has a read "
+                            "token but no write token; they stay off until EVALSVC_API_TOKEN "
+                            "is set")
+    _check([settings.api_token], creds, "this endpoint")
 
 
 def require_read(request: Request,
