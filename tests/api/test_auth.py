@@ -9,9 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from evalsvc.api.app import create_app
 from evalsvc.settings import Settings
+from evalsvc.store.db import Store
+from evalsvc.store.models import Regression, Run
+from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
 
 READ = {"Authorization": "Bearer read-secret"}
 WRITE = {"Authorization": "Bearer write-secret"}
@@ -117,3 +121,40 @@ def test_parameters_a_database_cannot_store_are_refused_naming_them(tmp_path, db
         assert c.get("/api/v1/history", params={"config": "x", "metric": "m"}).json() == []
         assert c.get("/commits", params={"branch": "main"}).status_code == 200
 
+
+def test_body_texts_a_database_cannot_store_are_refused_and_nothing_changes(tmp_path, db_url):
+    """A golden run's label and a triage comment with NUL or a lone surrogate (JSON's \\ud800)
+    are refused with 422 naming the field; the run and the regression stay as they were."""
+    store = Store(db_url)
+    try:
+        record(store, tmp_path / "results", "job-a", build_ref("aaa111"),
+               [run_result("mamba2-eb-ov-c64", {"cold": [1e-13, 2e-13]})])
+        with store.session() as s:
+            run_id = s.scalars(select(Run.id)).one()
+            regression = Regression(fingerprint=fingerprint_of("mamba2-eb-ov-c64"),
+                                    scenario="cold", metric="kl_k3_mean",
+                                    config="mamba2-eb-ov-c64", matrix="smoke", state="open",
+                                    first_run_id=run_id, last_run_id=run_id, runs_seen=1,
+                                    opened_at=BASE_TIME)
+            s.add(regression)
+            s.flush()
+            regression_id = regression.id
+    finally:
+        store.close()
+    json_header = {"content-type": "application/json"}
+    with make_client(tmp_path, db_url) as c:
+        for bad in ('"a\\u0000b"', '"a\\ud800b"'):
+            resp = c.post("/api/v1/golden", headers=json_header,
+                          content=f'{{"run_id": {run_id}, "label": {bad}}}')
+            assert resp.status_code == 422, resp.text
+            assert resp.json()["detail"].startswith("body.label"), resp.text
+            resp = c.patch(f"/api/v1/regressions/{regression_id}", headers=json_header,
+                           content=f'{{"triage": "acknowledged", "comment": {bad}}}')
+            assert resp.status_code == 422, resp.text
+            assert resp.json()["detail"].startswith("body.comment"), resp.text
+        assert c.get("/api/v1/golden").json() == []
+        reg = c.get(f"/api/v1/regressions/{regression_id}").json()
+        assert reg["triage"] is None and reg["comment"] is None
+        # plain text is taken
+        resp = c.post("/api/v1/golden", json={"run_id": run_id, "label": "ok ✓"})
+        assert resp.status_code == 201 and resp.json()["label"] == "ok ✓"
