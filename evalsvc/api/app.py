@@ -6,8 +6,10 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evalsvc import __version__
 from evalsvc.api import routes
@@ -17,6 +19,21 @@ from evalsvc.dashboard import mount_dashboard
 from evalsvc.settings import Settings
 
 log = logging.getLogger("evalsvc.api")
+
+
+def _unparseable_body(exc: StarletteHTTPException) -> str | None:
+    """Why a JSON body could not be decoded, when ``exc`` is FastAPI's bare 400 for it (the body's
+    bytes are not UTF-8, an integer has too many digits, the nesting is too deep); else None."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return f"not UTF-8 text ({cause.reason} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "nested too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return f"an integer with too many digits ({cause})"
+    return None
 
 
 def create_app(settings: Settings | None = None, *, start_runner: bool = True) -> FastAPI:
@@ -45,6 +62,13 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}"
                              for e in exc.errors())
         return JSONResponse({"detail": problems}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        why = _unparseable_body(exc)
+        if why:
+            return JSONResponse({"detail": f"body: not valid JSON: {why}"}, status_code=422)
+        return await http_exception_handler(request, exc)
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict:

@@ -158,3 +158,25 @@ def test_body_texts_a_database_cannot_store_are_refused_and_nothing_changes(tmp_
         # plain text is taken
         resp = c.post("/api/v1/golden", json={"run_id": run_id, "label": "ok ✓"})
         assert resp.status_code == 201 and resp.json()["label"] == "ok ✓"
+
+
+UNPARSEABLE = [
+    (b'\xff\xfe{"matrix": "smoke"}', "UTF-8"),
+    (b'{"matrix": "sm\xe9oke"}', "UTF-8"),
+    (b'{"matrix": "smoke", "priority": ' + b"9" * 5000 + b"}", "digits"),
+    (b'{"matrix": "smoke", "workload": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+]
+
+
+def test_unparseable_bodies_are_refused_with_422_naming_the_body(tmp_path):
+    """Bodies json cannot decode for another reason than its syntax (bytes that are not UTF-8,
+    an integer of thousands of digits, nesting past the recursion limit) are 422s naming the
+    body and why, like a syntax error, not FastAPI's bare 400."""
+    with make_client(tmp_path, api_token="write-secret") as c:
+        for body, why in UNPARSEABLE:
+            resp = c.post("/api/v1/jobs", content=body,
+                          headers={**WRITE, "content-type": "application/json"})
+            assert resp.status_code == 422, resp.text
+            detail = resp.json()["detail"]
+            assert detail.startswith("body: not valid JSON") and why in detail, detail
+        assert c.get("/api/v1/jobs").json() == []
