@@ -57,9 +57,12 @@ class HttpGuard:
         headers = _headers(scope)
         refusal = self._auth(scope, headers) or _parameters(scope)
         limit = self.settings.max_body_bytes
-        if refusal is None:
-            length = headers.get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > limit):
+        length = headers.get(b"content-length")
+        if refusal is None and length is not None:
+            if not length.isdigit():
+                refusal = JSONResponse({"detail": "Content-Length: not a number of bytes"},
+                                       status_code=400)
+            elif int(length) > limit:
                 refusal = _too_large(limit)
         if refusal is not None:
             await refusal(scope, _no_body, send)

@@ -180,3 +180,14 @@ def test_unparseable_bodies_are_refused_with_422_naming_the_body(tmp_path):
             detail = resp.json()["detail"]
             assert detail.startswith("body: not valid JSON") and why in detail, detail
         assert c.get("/api/v1/jobs").json() == []
+
+
+def test_a_content_length_over_the_limit_is_refused_before_the_route(tmp_path):
+    with make_client(tmp_path, api_token="write-secret", max_body_bytes=100) as c:
+        body = b'{"matrix": "smoke"}' + b" " * 100
+        resp = c.post("/api/v1/jobs", content=body,
+                      headers={**WRITE, "content-type": "application/json"})
+        assert resp.status_code == 413 and "100 bytes" in resp.json()["detail"]
+        resp = c.post("/api/v1/jobs", content=b"{}", headers={**WRITE, "content-length": "2x"})
+        assert resp.status_code == 400 and "Content-Length" in resp.json()["detail"]
+        assert c.get("/api/v1/jobs").json() == []
