@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     nightly: bool = True  # run the nightly schedules inside the service
     alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
     public_url: str | None = None  # the dashboard's address, for links in alerts
+    # http
+    # the largest request body taken, in bytes; a larger one is refused with 413 before it is read
+    max_body_bytes: int = Field(1024 * 1024, ge=1)
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

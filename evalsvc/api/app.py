@@ -5,17 +5,35 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evalsvc import __version__
 from evalsvc.api import routes
-from evalsvc.api.deps import Services
+from evalsvc.api.deps import Services, require_read
+from evalsvc.api.middleware import HttpGuard
 from evalsvc.dashboard import mount_dashboard
 from evalsvc.settings import Settings
 
 log = logging.getLogger("evalsvc.api")
+
+
+def _unparseable_body(exc: StarletteHTTPException) -> str | None:
+    """Why a JSON body could not be decoded, when ``exc`` is FastAPI's bare 400 for it (the body's
+    bytes are not UTF-8, an integer has too many digits, the nesting is too deep); else None."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return f"not UTF-8 text ({cause.reason} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "nested too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return f"an integer with too many digits ({cause})"
+    return None
 
 
 def create_app(settings: Settings | None = None, *, start_runner: bool = True) -> FastAPI:
@@ -34,6 +52,8 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
                   description="Accuracy and KL-divergence evaluation of SGLang's Mamba-hybrid "
                               "serving paths: jobs, results, history and comparisons.")
     app.state.settings = settings
+    # outermost of the app's own layers: auth, parameters and body size before any route runs
+    app.add_middleware(HttpGuard, settings=settings)
     app.include_router(routes.router, prefix="/api/v1")
     mount_dashboard(app)
 
@@ -43,6 +63,13 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
                              for e in exc.errors())
         return JSONResponse({"detail": problems}, status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        why = _unparseable_body(exc)
+        if why:
+            return JSONResponse({"detail": f"body: not valid JSON: {why}"}, status_code=422)
+        return await http_exception_handler(request, exc)
+
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict:
         """Liveness: the service answers and its database is reachable."""
@@ -50,7 +77,8 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
         services.ping()
         return {"status": "ok", "version": __version__}
 
-    @app.get("/metrics", tags=["service"], response_class=Response)
+    @app.get("/metrics", tags=["service"], response_class=Response,
+             dependencies=[Depends(require_read)])
     def metrics() -> Response:
         """Prometheus text: queue length, running runs, job outcomes, run durations."""
         services: Services = app.state.services

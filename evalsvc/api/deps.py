@@ -110,14 +110,20 @@ def _check(tokens: list[str | None], creds: HTTPAuthorizationCredentials | None,
     if not wanted:
         return
     given = creds.credentials.encode() if creds is not None else b""
-    if not any(hmac.compare_digest(given, t.encode()) for t in wanted):
+    # every token compared (no early exit): the time taken says nothing about which one matched
+    if not sum(hmac.compare_digest(given, t.encode()) for t in wanted):
         raise HTTPException(status_code=401, detail=f"{what} needs a valid bearer token",
                             headers={"WWW-Authenticate": "Bearer"})
 
 
 def require_write(request: Request,
                   creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    _check([request.app.state.settings.api_token], creds, "this endpoint")
+    settings = request.app.state.settings
+    if not settings.api_token and settings.read_token:  # reads closed, so writes are not open
+        raise HTTPException(status_code=403, detail="writes are off: this service has a read "
+                            "token but no write token; they stay off until EVALSVC_API_TOKEN "
+                            "is set")
+    _check([settings.api_token], creds, "this endpoint")
 
 
 def require_read(request: Request,

@@ -8,10 +8,11 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 from sqlalchemy import select
 
 from evalsvc.api.deps import ServicesDep, SessionDep, require_read, require_write
+from evalsvc.api.middleware import unstorable
 from evalsvc.bisect import BisectCreate
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
@@ -21,6 +22,18 @@ from evalsvc.store.models import Bisection, Job, Regression, Run
 router = APIRouter(dependencies=[Depends(require_read)])
 JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+
+
+def _storable(value: str | None) -> str | None:
+    """Text both SQLite and PostgreSQL store (query and path parameters are checked by the
+    middleware before any route runs; body texts here)."""
+    why = unstorable(value) if value is not None else None
+    if why:
+        raise ValueError(why)
+    return value
+
+
+StorableText = AfterValidator(_storable)
 
 
 class JobPublic(BaseModel):
@@ -55,7 +68,7 @@ class JobDetail(JobPublic):
 
 class GoldenCreate(BaseModel):
     run_id: int = Field(..., ge=1, le=2**31 - 1)
-    label: str | None = Field(None, max_length=200)
+    label: Annotated[str | None, StorableText] = Field(None, max_length=200)
 
 
 def _public(job: Job) -> JobPublic:
@@ -242,7 +255,7 @@ class TriageUpdate(BaseModel):
     triage: Literal["acknowledged", "expected", "fixed"] | None = Field(
         ..., description="acknowledged: being looked at; expected: an intended change (its level "
                          "becomes the new baseline); fixed: a fix is in; null: untriaged")
-    comment: str | None = Field(None, max_length=4000)
+    comment: Annotated[str | None, StorableText] = Field(None, max_length=4000)
 
 
 @router.get("/regressions", tags=["verdicts"])

@@ -3,7 +3,8 @@
 Used for the embedded engine now, and for SGLang servers by the harness: the command is an argument
 list (never a shell string), the process gets a process group of its own so teardown kills every
 process it started, and the environment drops SGLang's simulated-acceptance switches, which make a
-server produce wrong text on purpose. An engine in a group of its own outlives a killed parent
+server produce wrong text on purpose, and the service's secrets (API tokens, database URL, webhook,
+Ray's token). An engine in a group of its own outlives a killed parent
 (a restarted service stops it from the pid on its run); with ``die_with_parent`` it is killed when
 the process that started it dies (a Ray worker, whose engine nobody else would stop).
 """
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import httpx
@@ -25,6 +27,19 @@ import httpx
 from evalsvc.children import parent_death_signal
 
 SCRUBBED_ENV_PREFIXES = ("SGLANG_SIMULATE_ACC",)
+# the service's secrets, which an engine (running code of any build a job names) never needs: the
+# API tokens, the database URL (it may hold a password), the alert webhook (its URL is its key),
+# Ray's cluster token and database passwords. HF_TOKEN stays: SGLang downloads gated models.
+SECRET_ENV_NAMES = frozenset({"EVALSVC_DATABASE_URL", "EVALSVC_ALERT_WEBHOOK",
+                              "EVALSVC_TEST_POSTGRES_URL", "RAY_AUTH_TOKEN", "PGPASSWORD",
+                              "POSTGRES_PASSWORD"})
+SECRET_ENV_PATTERNS = ("EVALSVC_*TOKEN*", "EVALSVC_*SECRET*", "EVALSVC_*WEBHOOK*",
+                       "EVALSVC_*DATABASE_URL*", "RAY_*TOKEN*", "*PASSWORD*")
+
+
+def is_secret_env(name: str) -> bool:
+    """Whether the environment variable ``name`` holds one of the service's secrets."""
+    return name in SECRET_ENV_NAMES or any(fnmatchcase(name, p) for p in SECRET_ENV_PATTERNS)
 
 
 class EngineStartError(RuntimeError):
@@ -47,10 +62,10 @@ def embedded_command(port: int, flags: Sequence[str] = (), python: str | None = 
 
 
 def clean_env(extra: dict[str, str] | None = None, unset: Sequence[str] = ()) -> dict[str, str]:
-    """This process's environment without the scrubbed switches and the names in ``unset``, plus
-    ``extra``."""
+    """This process's environment without the scrubbed switches, the service's secrets
+    (``is_secret_env``) and the names in ``unset``, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(SCRUBBED_ENV_PREFIXES) and k not in unset}
+           if not k.startswith(SCRUBBED_ENV_PREFIXES) and not is_secret_env(k) and k not in unset}
     env.update(extra or {})
     return env
 
