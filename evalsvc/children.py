@@ -2,7 +2,7 @@
 
 Engines started on a Ray worker use it (a killed worker leaves no engine behind), and so does every
 short-lived tool the service runs (git, pip, a build's python): a service stopped or killed mid-build
-leaves no clone or install running after it.
+leaves no clone or install running after it. None of them inherits the service's secrets.
 """
 
 from __future__ import annotations
@@ -12,10 +12,29 @@ import ctypes.util
 import os
 import signal
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+# the service's secrets, which no child (an engine running code of any build a job names, pip
+# running a package's build, git) needs: the API tokens, the database URL (it may hold a password),
+# the alert webhook (its URL is its key), Ray's cluster token and database passwords. HF_TOKEN
+# stays: SGLang downloads gated models.
+SECRET_ENV_NAMES = frozenset({"EVALSVC_DATABASE_URL", "EVALSVC_ALERT_WEBHOOK",
+                              "EVALSVC_TEST_POSTGRES_URL", "RAY_AUTH_TOKEN", "PGPASSWORD",
+                              "POSTGRES_PASSWORD"})
+SECRET_ENV_PATTERNS = ("EVALSVC_*TOKEN*", "EVALSVC_*SECRET*", "EVALSVC_*WEBHOOK*",
+                       "EVALSVC_*DATABASE_URL*", "RAY_*TOKEN*", "*PASSWORD*")
+
+
+def is_secret_env(name: str) -> bool:
+    """Whether the environment variable ``name`` holds one of the service's secrets."""
+    return name in SECRET_ENV_NAMES or any(fnmatchcase(name, p) for p in SECRET_ENV_PATTERNS)
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not is_secret_env(k)}
 
 
 def parent_death_signal() -> Callable[[], None]:
@@ -34,5 +53,7 @@ def parent_death_signal() -> Callable[[], None]:
 
 
 def run(argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
-    """``subprocess.run`` whose child is killed if this process dies before it ends."""
+    """``subprocess.run`` whose child is killed if this process dies before it ends, and whose
+    environment (this process's, or ``env``) holds none of the service's secrets."""
+    kwargs["env"] = without_secrets(os.environ if kwargs.get("env") is None else kwargs["env"])
     return subprocess.run(list(argv), preexec_fn=parent_death_signal(), **kwargs)

@@ -3,11 +3,14 @@ leaves none of them running."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 
 import pytest
 
+from evalsvc import children
 from tests.processes import outlives_its_parent
 
 # a "service" whose build thread runs a long tool, as a pip install would be, through the path
@@ -30,3 +33,19 @@ time.sleep(300)
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_build_tool_dies_with_the_service_that_ran_it(tmp_path, how):
     assert not outlives_its_parent([sys.executable, "-c", SERVICE, str(tmp_path / "tool.pid")], how)
+
+
+def test_build_tools_inherit_none_of_the_services_secrets(monkeypatch):
+    monkeypatch.setenv("EVALSVC_API_TOKEN", "write-secret")
+    monkeypatch.setenv("EVALSVC_DATABASE_URL", "postgresql+psycopg://u:pw@db/evalsvc")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-secret")
+    monkeypatch.setenv("EVALSVC_DATA_DIR", "/srv/evalsvc")
+    show = [sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"]
+    seen = json.loads(children.run(show, capture_output=True, text=True, check=True).stdout)
+    assert "EVALSVC_API_TOKEN" not in seen and "EVALSVC_DATABASE_URL" not in seen
+    assert "RAY_AUTH_TOKEN" not in seen
+    assert seen["EVALSVC_DATA_DIR"] == "/srv/evalsvc"  # settings that are no secret pass
+    given = {"PATH": os.environ["PATH"], "EVALSVC_READ_TOKEN": "read-secret", "KEEP": "1"}
+    seen = json.loads(children.run(show, env=given, capture_output=True, text=True,
+                                   check=True).stdout)
+    assert "EVALSVC_READ_TOKEN" not in seen and seen["KEEP"] == "1"

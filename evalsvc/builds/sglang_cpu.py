@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,8 +150,8 @@ def ensure(dest: Path = DEFAULT_DEST, *, host: Host | None = None,
         if result.returncode != 0:
             tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-40:])
             raise SGLangCPUError(f"{dest}: step '{step}' failed (exit {result.returncode}):\n{tail}")
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], capture_output=True, text=True, check=True)
+    site = children.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                         "['purelib'])"], capture_output=True, text=True, check=True)
     (Path(site.stdout.strip()) / "sitecustomize.py").write_text(SITECUSTOMIZE)
     smoke = children.run([str(python), "-c", "import sgl_kernel, sglang; print(sglang.__version__)"],
                          capture_output=True, text=True)

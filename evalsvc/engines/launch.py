@@ -19,29 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 import httpx
 
-from evalsvc.children import parent_death_signal
+from evalsvc.children import is_secret_env, parent_death_signal
 
 SCRUBBED_ENV_PREFIXES = ("SGLANG_SIMULATE_ACC",)
-# the service's secrets, which an engine (running code of any build a job names) never needs: the
-# API tokens, the database URL (it may hold a password), the alert webhook (its URL is its key),
-# Ray's cluster token and database passwords. HF_TOKEN stays: SGLang downloads gated models.
-SECRET_ENV_NAMES = frozenset({"EVALSVC_DATABASE_URL", "EVALSVC_ALERT_WEBHOOK",
-                              "EVALSVC_TEST_POSTGRES_URL", "RAY_AUTH_TOKEN", "PGPASSWORD",
-                              "POSTGRES_PASSWORD"})
-SECRET_ENV_PATTERNS = ("EVALSVC_*TOKEN*", "EVALSVC_*SECRET*", "EVALSVC_*WEBHOOK*",
-                       "EVALSVC_*DATABASE_URL*", "RAY_*TOKEN*", "*PASSWORD*")
-
-
-def is_secret_env(name: str) -> bool:
-    """Whether the environment variable ``name`` holds one of the service's secrets."""
-    return name in SECRET_ENV_NAMES or any(fnmatchcase(name, p) for p in SECRET_ENV_PATTERNS)
-
-
 class EngineStartError(RuntimeError):
     """The engine exited or did not become healthy in time; the message carries its log tail."""
 
