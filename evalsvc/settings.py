@@ -31,6 +31,15 @@ class Settings(BaseSettings):
     nightly: bool = True  # run the nightly schedules inside the service
     alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
     public_url: str | None = None  # the dashboard's address, for links in alerts
+    # limits on what one submitted job may expand to, checked at submission (422 naming them)
+    max_configs_per_job: int = 256  # configs x builds
+    # values of one axis, include + exclude entries, and the axes' cross product before exclusion
+    max_matrix_entries: int = 1000
+    max_job_prompts: int = 20_000  # prompts x configs x builds
+    max_job_tokens: int = 2_000_000  # max_new_tokens x prompts x configs x builds
+    max_matrix_bytes: int = 262_144  # an inline matrix, as JSON
+    # local dataset files API jobs may name lie under this directory (None: none may)
+    datasets_dir: Path | None = None
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -11,10 +13,10 @@ BASE = {"name": "t", "models": {"m": {"path": "hybrid-mamba2-tiny"}},
         "axes": {"strategy": ["no_buffer", "extra_buffer"], "overlap": [True, False]}}
 
 
-def write(tmp_path, data) -> str:
+def write(tmp_path, data) -> Path:
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(data))
-    return str(path)
+    return path
 
 
 def test_shipped_matrices_load_and_expand():
@@ -63,7 +65,7 @@ def test_bad_matrix_names_file_and_key(tmp_path, change, key):
     path = write(tmp_path, data)
     with pytest.raises(MatrixError) as err:
         load_matrix(path)
-    assert path in str(err.value) and key in str(err.value)
+    assert str(path) in str(err.value) and key in str(err.value)
 
 
 def test_unknown_matrix_name_lists_known_ones():
