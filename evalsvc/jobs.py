@@ -325,6 +325,9 @@ class JobService:
             parse = parse_source
         if b.source is None:
             return
+        version = re.fullmatch(r"(?:pypi:)?(?:sglang==)?(.*)", b.source.strip()).group(1)
+        if b.source.strip().startswith(("sglang==", "pypi:")) and len(version) > 100:
+            raise JobError(f"{where}.source: a version of {len(version)} characters (at most 100)")
         try:
             parse(b.source)
         except BuildError as exc:

@@ -298,6 +298,13 @@ def test_non_finite_and_huge_numbers_are_refused(client, tmp_path):
                                                           10**30}])}, "chunked_prefill")
 
 
+def test_build_sources_fit_the_store(client, tmp_path):
+    refused(client, tmp_path, {"matrix": "mamba-full", "builds": [{"source": "sglang==1" + "0" * 150}]},
+            "builds[0].source", "100")
+    refused(client, tmp_path, {"matrix": "smoke", "builds": [{"source": "git:" + "r" * 300 + "@a"}]},
+            "builds.0.source")
+
+
 # ---- 11. loose validation -------------------------------------------------------------------
 
 def test_empty_config_lists_and_matrices_without_configs_are_refused(client, tmp_path):
