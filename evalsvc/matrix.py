@@ -382,10 +382,15 @@ def resolve_matrix_path(name_or_path: str | Path, *, allow_path: bool = True) ->
         candidate = CONFIGS_DIR / f"{text}.yaml"
         if candidate.is_file():
             return candidate
-    known = matrix_names()
-    what = "no such file and no" if allow_path else "matrices are named by name; no"
-    raise MatrixError(f"matrix {text[:100]!r}: {what} configs/{text[:100]}.yaml "
-                      f"(known: {', '.join(known)})")
+    known = ", ".join(matrix_names())
+    shown = repr(text[:100])
+    if allow_path:
+        raise MatrixError(f"matrix {shown}: no such file and no configs/{text[:100]}.yaml "
+                          f"(known: {known})")
+    if name_problem(text):
+        raise MatrixError(f"matrix {shown}: a job names a matrix under configs/ by name, not by "
+                          f"path ({NAME_RULE}; known: {known})")
+    raise MatrixError(f"matrix {shown}: no configs/{text[:100]}.yaml (known: {known})")
 
 
 def expand(matrix: MatrixFile, hardware: str = "cpu", workload_version: str = "",
