@@ -411,10 +411,16 @@ def expand(matrix: MatrixFile, hardware: str = "cpu", workload_version: str = ""
         if "model" not in axes:
             axes["model"] = list(matrix.models)
         keys = list(axes)
-        excludes = [ex for ex in matrix.exclude if _version_applies(ex, sglang_version)]
+        # the exclude entries, grouped by the axes they name: one set lookup per group and point
+        excluded: dict[tuple[str, ...], set[tuple]] = {}
+        for ex in matrix.exclude:
+            if _version_applies(ex, sglang_version):
+                named = tuple(sorted(k for k in ex if k != "sglang_version"))
+                excluded.setdefault(named, set()).add(tuple(_hashable(ex[k]) for k in named))
         for values in itertools.product(*(axes[k] for k in keys)):
             point = dict(zip(keys, values, strict=True))
-            if any(_matches(point, ex, sglang_version) for ex in excludes):
+            if any(tuple(_hashable(point.get(k, DEFAULTS.get(k))) for k in named) in entries
+                   for named, entries in excluded.items()):
                 continue
             add(point)
     for inc in matrix.include:
@@ -443,16 +449,6 @@ def _version_applies(pattern: dict[str, Any], version: str | None) -> bool:
     spec = pattern.get("sglang_version")
     return spec is None or (version is not None
                             and Version(version.split("+")[0]) in SpecifierSet(spec))
-
-
-def _matches(point: dict[str, Any], pattern: dict[str, Any], version: str | None) -> bool:
-    """Whether an exclude entry matches; ``sglang_version`` limits it to releases in a range."""
-    spec = pattern.get("sglang_version")
-    if spec is not None and (version is None or Version(version.split("+")[0])
-                             not in SpecifierSet(spec)):
-        return False
-    return all(point.get(k, DEFAULTS.get(k)) == v for k, v in pattern.items()
-               if k != "sglang_version")
 
 
 def make_config(matrix: MatrixFile, point: dict[str, Any], hardware: str = "cpu",

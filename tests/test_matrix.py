@@ -174,3 +174,25 @@ def test_shipped_matrices_keep_to_the_engine_flag_allowlist():
         assert set(m.extra_args) <= ENGINE_FLAGS[m.engine]
     with pytest.raises(ValueError, match=r"extra_args\.host"):
         check_extra_args({"host": "0.0.0.0"}, "sglang")
+
+
+def test_exclude_entries_match_as_before_and_in_linear_time():
+    m = MatrixFile.model_validate({**BASE, "axes": {
+        "strategy": ["no_buffer", "extra_buffer"], "overlap": [True, False],
+        "chunked_prefill": [None, 64, -1]}, "exclude": [
+        {"strategy": "no_buffer", "overlap": True}, {"chunked_prefill": -1, "overlap": False},
+        {"chunked_prefill": None, "strategy": "extra_buffer", "overlap": True},
+        {"hicache": True}, {"strategy": "extra_buffer", "sglang_version": "<0.5.14"}]})
+    names = {c.name for c in expand(m)}
+    assert names == {"m-nb-sync", "m-nb-sync-c64", "m-eb-ov-c64", "m-eb-ov-nochunk",
+                     "m-eb-sync", "m-eb-sync-c64"}
+    assert {c.name for c in expand(m, sglang_version="0.5.13")} == {"m-nb-sync", "m-nb-sync-c64"}
+    # 1,000 points against 3,000 entries: a set lookup per point, not a comparison per entry (about
+    # 18 s here when every point was compared with every entry)
+    big = MatrixFile.model_validate({**BASE, "axes": {"chunked_prefill": list(range(1, 1001))},
+                                     "exclude": [{"chunked_prefill": -i} for i in range(3000)]
+                                     + [{"chunked_prefill": 7}]})
+    t0 = time.monotonic()
+    configs = expand(big)
+    assert len(configs) == 999 and "m-auto-ov-c7" not in {c.name for c in configs}
+    assert time.monotonic() - t0 < 8
