@@ -214,6 +214,13 @@ def test_files_under_configs_that_are_no_matrix_are_not_shown(client, tmp_path):
         assert key not in detail, detail
 
 
+def test_reading_a_file_under_configs_that_is_no_matrix_shows_none_of_it(client):
+    resp = client.get("/api/v1/matrices/thresholds")
+    assert resp.status_code == 404 and "not a matrix file" in resp.json()["detail"]
+    for key in ("history", "defaults", "rules", "window"):
+        assert key not in resp.json()["detail"]
+
+
 def test_local_datasets_are_off_for_clients_by_default(client, tmp_path):
     data = tmp_path / "prompts"
     data.mkdir()
