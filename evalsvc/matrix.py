@@ -263,13 +263,13 @@ class MatrixFile(Strict):
         models; and at least one config."""
         for key, values in self.axes.items():
             if key not in AXES:
-                raise ValueError(f"axes.{key}: unknown axis (known: {', '.join(AXES)})")
+                raise ValueError(f"axes: unknown axis {key!r} (known: {', '.join(AXES)})")
             if not values:
-                raise ValueError(f"axes.{key}: the axis has no values")
+                raise ValueError(f"axes: axis {key!r} has no values")
             for v in values:
                 problem = value_problem(key, v, self.models)
                 if problem:
-                    raise ValueError(f"axes.{key}: {problem}")
+                    raise ValueError(f"axes: axis {key!r}: value {problem}")
         for section in ("exclude", "include"):
             for i, entry in enumerate(getattr(self, section)):
                 for key, value in entry.items():
