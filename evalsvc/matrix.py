@@ -68,12 +68,18 @@ class MatrixError(ValueError):
     """A matrix file that cannot be used; the message names the file and the key."""
 
 
+def shown(value: Any) -> str:
+    """A value as an error message shows it: its repr, cut at 100 characters."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
 def name_problem(value: Any) -> str | None:
     """Why ``value`` cannot be a name that becomes part of a path; None if it can."""
     if not isinstance(value, str):
-        return f"{value!r} is not a string"
+        return f"{shown(value)} is not a string"
     if not NAME_RE.fullmatch(value) or ".." in value:
-        return f"{value!r} is not a valid name ({NAME_RULE})"
+        return f"{shown(value)} is not a valid name ({NAME_RULE})"
     return None
 
 
@@ -82,7 +88,7 @@ def check_extra_args(extra_args: dict[str, Any], engine: str) -> None:
     ``extra_args.FLAG``)."""
     allowed = ENGINE_FLAGS[engine]
     for flag, value in extra_args.items():
-        where = f"extra_args.{flag}"
+        where = f"extra_args.{flag[:100]}"
         if flag not in allowed:
             raise ValueError(f"{where}: not an engine flag a matrix may set for the {engine} "
                              f"engine (allowed: {', '.join(sorted(allowed))})")
@@ -96,10 +102,10 @@ def check_extra_args(extra_args: dict[str, Any], engine: str) -> None:
                 raise ValueError(f"{where}: {value} is not a finite number below 2^63")
         elif isinstance(value, str):
             if not FLAG_VALUE_RE.fullmatch(value):
-                raise ValueError(f"{where}: {value!r} is not a plain value (letters, digits, "
+                raise ValueError(f"{where}: {shown(value)} is not a plain value (letters, digits, "
                                  "'.', '_', '+', '-', at most 64, not starting with '-')")
             if flag in FLAG_VALUES and value not in FLAG_VALUES[flag]:
-                raise ValueError(f"{where}: {value!r} not in {sorted(FLAG_VALUES[flag])}")
+                raise ValueError(f"{where}: {shown(value)} not in {sorted(FLAG_VALUES[flag])}")
         else:
             raise ValueError(f"{where}: a {type(value).__name__} is not a scalar (a number, a "
                              "boolean or a word)")
@@ -109,23 +115,23 @@ def value_problem(axis: str, value: Any, models: dict[str, Any]) -> str | None:
     """Why ``value`` cannot be a value of ``axis``; None if it can."""
     if axis == "model":
         if not isinstance(value, str) or value not in models:
-            return f"{value!r} is not a key of models"
+            return f"{shown(value)} is not a key of models"
         return None
     if axis == "chunked_prefill":
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            return f"{value!r} is not an integer"
+            return f"{shown(value)} is not an integer"
         if not -INT32 <= value < INT32:
             return f"{value} is out of range (-1 disables; at most 2^31 - 1)"
         return None
     allowed = AXES[axis]
     if axis == "strategy":
         if not isinstance(value, str) or value not in allowed:
-            return f"{value!r} not in {sorted(allowed)}"
+            return f"{shown(value)} not in {sorted(allowed)}"
         return None
     if not isinstance(value, bool):
-        return f"{value!r} is not true or false"
+        return f"{shown(value)} is not true or false"
     return None
 
 
@@ -263,9 +269,9 @@ class MatrixFile(Strict):
         models; and at least one config."""
         for key, values in self.axes.items():
             if key not in AXES:
-                raise ValueError(f"axes: unknown axis {key!r} (known: {', '.join(AXES)})")
+                raise ValueError(f"axes: unknown axis {shown(key)} (known: {', '.join(AXES)})")
             if not values:
-                raise ValueError(f"axes: axis {key!r} has no values")
+                raise ValueError(f"axes: axis {shown(key)} has no values")
             for v in values:
                 problem = value_problem(key, v, self.models)
                 if problem:
@@ -273,13 +279,13 @@ class MatrixFile(Strict):
         for section in ("exclude", "include"):
             for i, entry in enumerate(getattr(self, section)):
                 for key, value in entry.items():
-                    where = f"{section}[{i}].{key}"
+                    where = f"{section}[{i}].{key[:100]}"
                     if key == "sglang_version" and section == "exclude":
                         try:
                             SpecifierSet(str(value) if isinstance(value, str | int | float)
                                          else "?")
                         except InvalidSpecifier:
-                            raise ValueError(f"{where}: {value!r} is not a version range such "
+                            raise ValueError(f"{where}: {shown(value)} is not a version range such "
                                              "as '<0.5.14'") from None
                         continue
                     if key not in AXES:
