@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -32,12 +32,12 @@ class Settings(BaseSettings):
     alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
     public_url: str | None = None  # the dashboard's address, for links in alerts
     # limits on what one submitted job may expand to, checked at submission (422 naming them)
-    max_configs_per_job: int = 256  # configs x builds
+    max_configs_per_job: int = Field(256, ge=1)  # configs x builds
     # values of one axis, include + exclude entries, and the axes' cross product before exclusion
-    max_matrix_entries: int = 1000
-    max_job_prompts: int = 20_000  # prompts x configs x builds
-    max_job_tokens: int = 2_000_000  # max_new_tokens x prompts x configs x builds
-    max_matrix_bytes: int = 262_144  # an inline matrix, as JSON
+    max_matrix_entries: int = Field(1000, ge=1)
+    max_job_prompts: int = Field(20_000, ge=1)  # prompts x configs x builds
+    max_job_tokens: int = Field(2_000_000, ge=1)  # max_new_tokens x prompts x configs x builds
+    max_matrix_bytes: int = Field(262_144, ge=1)  # an inline matrix, as JSON
     # local dataset files API jobs may name lie under this directory (None: none may)
     datasets_dir: Path | None = None
 
