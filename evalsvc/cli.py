@@ -101,7 +101,7 @@ def run(
     console = Console(width=max(Console().width, 150))
     setup_logging(logging.WARNING)
     try:
-        mat = load_matrix(matrix)
+        mat = load_matrix(matrix, allow_path=True)  # the operator may name a file
     except MatrixError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None

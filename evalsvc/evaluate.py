@@ -22,6 +22,7 @@ from evalsvc.engines.base import EngineSpec, engine_command, launch
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
 from evalsvc.harness import run_config
 from evalsvc.matrix import Config, MatrixFile, expand, make_config
+from evalsvc.paths import inside
 from evalsvc.scenarios import EngineClient
 from evalsvc.tokenization import TokenizerError, encode, load_tokenizer
 from evalsvc.types import RunResult
@@ -120,7 +121,7 @@ class References:
             return None
         if model not in self.servers:
             cfg = make_config(self.matrix, {**(ref.config or {}), "model": model})
-            proc = launch(self.spec, cfg.args, free_port(), self.log_dir / f"reference-{model}.log")
+            proc = launch(self.spec, cfg.args, free_port(), inside(self.log_dir, f"reference-{model}.log"))
             self.servers[model] = (proc, EngineClient(proc.base_url))
             self.described[model] = {"kind": "config", "config": cfg.name, "command": proc.argv}
             log.info("reference server for %s: %s", model, cfg.name)

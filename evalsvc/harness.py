@@ -23,6 +23,7 @@ from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
+from evalsvc.paths import inside
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
 from evalsvc.types import RunResult, ScenarioResult, TopLogprobs
 
@@ -74,7 +75,7 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
     t0 = time.monotonic()
     result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
                        dict(config.args), verdict="error")
-    log_path = (log_dir / f"{config.name}.log") if log_dir else None
+    log_path = inside(log_dir, f"{config.name}.log") if log_dir else None
     result.log_path = str(log_path) if log_path else None
     proc: EngineProcess | None = None
     client: EngineClient | None = None

@@ -16,66 +16,173 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative")
+
+
+# names that become parts of paths and database rows: matrix names, model keys (and through them
+# config names), matrix files under configs/
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_RULE = "letters, digits, '.', '_', '-', at most 64, not starting with '.' or '-', no '..'"
+# a string an engine flag may take: a plain word (no path, no address, no leading dash)
+FLAG_VALUE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+INT64 = 2**63
+INT32 = 2**31
+
+# ServerArgs fields a matrix may set in ``extra_args``, per engine: tuning of the caches, the
+# scheduler, speculative decoding and memory. Never the model, host, port, remote code, or anything
+# naming a file or a network address; never what the axes and the hicache / mtp sections set.
+EMBEDDED_FLAGS = frozenset({
+    "mamba_track_interval", "mamba_ssm_dtype", "max_mamba_cache_size", "max_running_requests",
+    "max_total_tokens", "random_seed", "page_size", "mem_fraction_static", "enable_metrics",
+    "skip_server_warmup", "device", "dtype", "context_length", "hicache_size", "log_level",
+    "load_format",
+})
+SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
+    "attention_backend", "prefill_attention_backend", "decode_attention_backend",
+    "sampling_backend", "cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding",
+    "enable_torch_compile", "torch_compile_max_bs", "mamba_full_memory_ratio",
+    "max_prefill_tokens", "schedule_policy", "schedule_conservativeness", "kv_cache_dtype",
+    "quantization", "stream_interval", "enable_mixed_chunk", "disable_custom_all_reduce",
+    "max_queued_requests", "num_continuous_decode_steps", "triton_attention_num_kv_splits",
+    "speculative_accept_threshold_single", "speculative_accept_threshold_acc",
+    "speculative_attention_mode", "watchdog_timeout",
+})
+ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
+FLAG_VALUES = {"load_format": {"auto", "safetensors", "pt", "dummy"}}
 
 
 class MatrixError(ValueError):
     """A matrix file that cannot be used; the message names the file and the key."""
 
 
+def shown(value: Any) -> str:
+    """A value as an error message shows it: its repr, cut at 100 characters."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def name_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be a name that becomes part of a path; None if it can."""
+    if not isinstance(value, str):
+        return f"{shown(value)} is not a string"
+    if not NAME_RE.fullmatch(value) or ".." in value:
+        return f"{shown(value)} is not a valid name ({NAME_RULE})"
+    return None
+
+
+def check_extra_args(extra_args: dict[str, Any], engine: str) -> None:
+    """``extra_args`` against the engine's allowlist, scalar values only (ValueError naming
+    ``extra_args.FLAG``)."""
+    allowed = ENGINE_FLAGS[engine]
+    for flag, value in extra_args.items():
+        where = f"extra_args.{flag[:100]}"
+        if flag not in allowed:
+            raise ValueError(f"{where}: not an engine flag a matrix may set for the {engine} "
+                             f"engine (allowed: {', '.join(sorted(allowed))})")
+        if value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            if not -INT64 < value < INT64:
+                raise ValueError(f"{where}: {value} is out of range (|value| < 2^63)")
+        elif isinstance(value, float):
+            if not math.isfinite(value) or abs(value) >= INT64:
+                raise ValueError(f"{where}: {value} is not a finite number below 2^63")
+        elif isinstance(value, str):
+            if not FLAG_VALUE_RE.fullmatch(value):
+                raise ValueError(f"{where}: {shown(value)} is not a plain value (letters, digits, "
+                                 "'.', '_', '+', '-', at most 64, not starting with '-')")
+            if flag in FLAG_VALUES and value not in FLAG_VALUES[flag]:
+                raise ValueError(f"{where}: {shown(value)} not in {sorted(FLAG_VALUES[flag])}")
+        else:
+            raise ValueError(f"{where}: a {type(value).__name__} is not a scalar (a number, a "
+                             "boolean or a word)")
+
+
+def value_problem(axis: str, value: Any, models: dict[str, Any]) -> str | None:
+    """Why ``value`` cannot be a value of ``axis``; None if it can."""
+    if axis == "model":
+        if not isinstance(value, str) or value not in models:
+            return f"{shown(value)} is not a key of models"
+        return None
+    if axis == "chunked_prefill":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{shown(value)} is not an integer"
+        if not -INT32 <= value < INT32:
+            return f"{value} is out of range (-1 disables; at most 2^31 - 1)"
+        return None
+    allowed = AXES[axis]
+    if axis == "strategy":
+        if not isinstance(value, str) or value not in allowed:
+            return f"{shown(value)} not in {sorted(allowed)}"
+        return None
+    if not isinstance(value, bool):
+        return f"{shown(value)} is not true or false"
+    return None
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+FlagWord = Annotated[str, Field(pattern=f"^{FLAG_VALUE_RE.pattern}$")]
 
 
 class ModelEntry(Strict):
-    path: str  # shipped model name or directory (embedded), model id or directory (sglang)
-    tp_size: int = 1
-    dtype: str = "auto"
+    # shipped model name or directory (embedded), model id or directory (sglang)
+    path: str = Field(min_length=1, max_length=500)
+    tp_size: int = Field(1, ge=1, le=64)
+    dtype: FlagWord = "auto"
     accept_floor: dict[int, float] = Field(default_factory=dict,
                                            description="min accept length per MTP draft steps")
 
 
 class HiCacheSettings(Strict):
-    ratio: float = 4.0
+    ratio: float = Field(4.0, gt=0, le=1000)
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
-    io_backend: str | None = None
-    mem_layout: str | None = None
-    max_total_tokens: int | None = None
-    max_mamba_cache_size: int | None = None
-    max_running_requests: int | None = None
+    io_backend: FlagWord | None = None
+    mem_layout: FlagWord | None = None
+    max_total_tokens: int | None = Field(None, ge=1, lt=INT32)
+    max_mamba_cache_size: int | None = Field(None, ge=1, lt=INT32)
+    max_running_requests: int | None = Field(None, ge=1, lt=INT32)
 
 
 class MTPSettings(Strict):
     algorithm: Literal["NEXTN", "EAGLE"] = "NEXTN"
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int | None = None
+    num_steps: int = Field(3, ge=1, le=64)
+    eagle_topk: int = Field(1, ge=1, le=64)
+    num_draft_tokens: int | None = Field(None, ge=1, le=1024)
 
 
 class WorkloadSpec(Strict):
-    dataset: str = "builtin:demo"  # builtin:NAME, a local .jsonl/.json/.parquet, or a hub dataset
-    split: str = "train"
-    text_field: str = "text"
+    # builtin:NAME, a local .jsonl/.json/.parquet/.csv file, or a hub dataset
+    dataset: str = Field("builtin:demo", min_length=1, max_length=1000)
+    split: str = Field("train", min_length=1, max_length=200)
+    text_field: str = Field("text", min_length=1, max_length=200)
     num_prompts: int = Field(8, ge=1, le=100_000)
     max_new_tokens: int = Field(32, ge=1, le=65_536)
-    temperature: float = Field(1.0, ge=0.0)
-    seed: int = Field(0, ge=0)  # which prompts, and the sampling seed unless sampling_seed is set
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    # which prompts, and the sampling seed unless sampling_seed is set (the engines take int64)
+    seed: int = Field(0, ge=0, lt=INT64)
     # the sampling seed alone: runs that differ only in it are samples of the same thing, so it is
     # left out of the workload version (and the fingerprint)
-    sampling_seed: int | None = Field(None, ge=0)
+    sampling_seed: int | None = Field(None, ge=0, lt=INT64)
     # shared system prefix for branching (0: derived from the prompts)
-    prefix_tokens: int = Field(0, ge=0)
+    prefix_tokens: int = Field(0, ge=0, le=1 << 20)
 
 
 class Thresholds(Strict):
@@ -99,9 +206,12 @@ class ReferenceSpec(Strict):
     @field_validator("config")
     @classmethod
     def _axes_only(cls, config: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key in config or {}:
+        for key, value in (config or {}).items():
             if key not in AXES or key == "model":
                 raise ValueError(f"unknown axis {key!r} (the reference uses each config's model)")
+            problem = value_problem(key, value, {})
+            if problem:
+                raise ValueError(f"{key}: {problem}")
         return config
 
 
@@ -121,9 +231,9 @@ DEFAULTS = {"strategy": "auto", "radix_cache": True, "overlap": True, "chunked_p
 
 class MatrixFile(Strict):
     name: str
-    description: str = ""
+    description: str = Field("", max_length=2000)
     engine: Literal["embedded", "sglang"] = "embedded"
-    models: dict[str, ModelEntry]
+    models: dict[str, ModelEntry] = Field(min_length=1)
     axes: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, Any]] = Field(default_factory=list)
     include: list[dict[str, Any]] = Field(default_factory=list)
@@ -131,26 +241,74 @@ class MatrixFile(Strict):
     mtp: MTPSettings = Field(default_factory=MTPSettings)
     extra_args: dict[str, Any] = Field(default_factory=dict, description="ServerArgs fields for all")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
-    scenarios: list[Literal[SCENARIOS]] = Field(default_factory=lambda: list(SCENARIOS))
+    scenarios: list[Literal[SCENARIOS]] = Field(default_factory=lambda: list(SCENARIOS),
+                                               max_length=len(SCENARIOS))
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
     thresholds: Thresholds = Field(default_factory=Thresholds)
 
-    @field_validator("axes")
+    @field_validator("name")
     @classmethod
-    def _axes(cls, axes: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        """Known axes and values only; an empty mapping means the configs are the ``include`` list."""
-        for key, values in axes.items():
+    def _name(cls, name: str) -> str:
+        problem = name_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
+
+    @field_validator("models")
+    @classmethod
+    def _model_keys(cls, models: dict[str, ModelEntry]) -> dict[str, ModelEntry]:
+        for key in models:
+            problem = name_problem(key)
+            if problem:
+                raise ValueError(f"model key {problem}")
+        return models
+
+    @model_validator(mode="after")
+    def _points(self) -> MatrixFile:
+        """Axes, include and exclude entries: known axes, allowed values of the right type, known
+        models; and at least one config."""
+        for key, values in self.axes.items():
             if key not in AXES:
-                raise ValueError(f"unknown axis {key!r} (known: {', '.join(AXES)})")
+                raise ValueError(f"axes: unknown axis {shown(key)} (known: {', '.join(AXES)})")
             if not values:
-                raise ValueError(f"axis {key!r} has no values")
-            allowed = AXES[key]
+                raise ValueError(f"axes: axis {shown(key)} has no values")
             for v in values:
-                if allowed is not None and v not in allowed:
-                    raise ValueError(f"axis {key!r}: value {v!r} not in {sorted(map(str, allowed))}")
-                if key == "chunked_prefill" and not isinstance(v, int):
-                    raise ValueError(f"axis 'chunked_prefill': value {v!r} is not an integer")
-        return axes
+                problem = value_problem(key, v, self.models)
+                if problem:
+                    raise ValueError(f"axes: axis {key!r}: value {problem}")
+        for section in ("exclude", "include"):
+            for i, entry in enumerate(getattr(self, section)):
+                for key, value in entry.items():
+                    where = f"{section}[{i}].{key[:100]}"
+                    if key == "sglang_version" and section == "exclude":
+                        try:
+                            SpecifierSet(str(value) if isinstance(value, str | int | float)
+                                         else "?")
+                        except InvalidSpecifier:
+                            raise ValueError(f"{where}: {shown(value)} is not a version range such "
+                                             "as '<0.5.14'") from None
+                        continue
+                    if key not in AXES:
+                        raise ValueError(f"{where}: unknown axis (known: {', '.join(AXES)})")
+                    problem = value_problem(key, value, self.models)
+                    if problem:
+                        raise ValueError(f"{where}: {problem}")
+        if not self.axes and not self.include:
+            raise ValueError("include: the matrix has no configs (give axes or include entries)")
+        return self
+
+    def check_engine_flags(self, engine: str | None = None) -> None:
+        """``extra_args`` against the allowlist of ``engine`` (default: the matrix's own)."""
+        check_extra_args(self.extra_args, engine or self.engine)
+
+    def cross_product(self) -> int:
+        """How many combinations the axes make before any is excluded (0 without axes)."""
+        if not self.axes:
+            return 0
+        n = len(self.models) if "model" not in self.axes else 1
+        for values in self.axes.values():
+            n *= len(values)
+        return n
 
 
 @dataclass(frozen=True)
@@ -172,77 +330,107 @@ class Config:
         return bool(self.settings.get("mtp"))
 
 
-def load_matrix(name_or_path: str | Path) -> MatrixFile:
-    path = resolve_matrix_path(name_or_path)
+def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> MatrixFile:
+    """A matrix by name (``configs/NAME.yaml``), or from a file when ``allow_path`` (the default
+    for a ``Path``: the operator's own code; a string is a name unless the caller allows paths, as
+    the CLI does). Matrices from ``configs/`` go through the engine flag allowlist."""
+    if allow_path is None:
+        allow_path = isinstance(name_or_path, Path)
+    path = resolve_matrix_path(name_or_path, allow_path=allow_path)
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise MatrixError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise MatrixError(f"{path}: a matrix file is a mapping at the top level")
+    if "models" not in raw:  # some other file: its keys are not shown
+        raise MatrixError(f"{path}: not a matrix file (a matrix has name and models; matrices: "
+                          f"{', '.join(matrix_names())})")
     try:
         matrix = MatrixFile.model_validate(raw)
     except ValidationError as exc:
-        raise MatrixError(f"{path}: " + "; ".join(
-            f"{'.'.join(str(x) for x in e['loc']) or '(top)'}: "
-            f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
-            for e in exc.errors())) from None
-    _check_entries(path, matrix)
+        raise MatrixError(f"{path}: " + describe_errors(exc)) from None
+    if path.parent.resolve() == CONFIGS_DIR.resolve():
+        try:
+            matrix.check_engine_flags()
+        except ValueError as exc:
+            raise MatrixError(f"{path}: {exc}") from None
     return matrix
 
 
-def resolve_matrix_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
-    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
-    if candidate.is_file():
-        return candidate
-    known = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml") if "\nmodels:" in p.read_text())
-    raise MatrixError(f"matrix {name_or_path!r}: no such file and no configs/{name_or_path}.yaml "
-                      f"(known: {', '.join(known)})")
+def describe_errors(exc: ValidationError, prefix: str = "") -> str:
+    """A matrix's validation errors, each as ``PREFIX.LOC: message``."""
+    out = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        msg = msg.removeprefix("Value error, ")
+        if loc:
+            out.append(f"{prefix}{loc}: {msg}")
+        else:  # a whole-matrix check: its message starts with the key
+            out.append(f"{prefix}{msg}" if prefix else msg)
+    return "; ".join(out)
 
 
-def _check_entries(path: Path, matrix: MatrixFile) -> None:
-    if "model" in matrix.axes:
-        for m in matrix.axes["model"]:
-            if m not in matrix.models:
-                raise MatrixError(f"{path}: axes.model: {m!r} is not a key of models")
-    for section in ("exclude", "include"):
-        for i, entry in enumerate(getattr(matrix, section)):
-            for key, value in entry.items():
-                if key == "sglang_version" and section == "exclude":
-                    try:
-                        SpecifierSet(str(value))
-                    except InvalidSpecifier:
-                        raise MatrixError(f"{path}: exclude[{i}].sglang_version: {value!r} is not "
-                                          "a version range such as '<0.5.14'") from None
-                    continue
-                if key not in AXES:
-                    raise MatrixError(f"{path}: {section}[{i}].{key}: unknown axis")
-                if key == "model" and value not in matrix.models:
-                    raise MatrixError(f"{path}: {section}[{i}].model: {value!r} is not a key of "
-                                      "models")
+def matrix_names() -> list[str]:
+    """The matrices under configs/ (files there with models)."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")
+                  if not name_problem(p.stem) and "\nmodels:" in "\n" + p.read_text())
+
+
+def resolve_matrix_path(name_or_path: str | Path, *, allow_path: bool = True) -> Path:
+    text = str(name_or_path)
+    if allow_path:
+        path = Path(name_or_path)
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            return path
+    if name_problem(text) is None:
+        candidate = CONFIGS_DIR / f"{text}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(matrix_names())
+    shown = repr(text[:100])
+    if allow_path:
+        raise MatrixError(f"matrix {shown}: no such file and no configs/{text[:100]}.yaml "
+                          f"(known: {known})")
+    if name_problem(text):
+        raise MatrixError(f"matrix {shown}: a job names a matrix under configs/ by name, not by "
+                          f"path ({NAME_RULE}; known: {known})")
+    raise MatrixError(f"matrix {shown}: no configs/{text[:100]}.yaml (known: {known})")
 
 
 def expand(matrix: MatrixFile, hardware: str = "cpu", workload_version: str = "",
            sglang_version: str | None = None) -> list[Config]:
-    """All configs of a matrix, in a stable order (for a given SGLang release, if any)."""
-    points = []
+    """All configs of a matrix, in a stable order (for a given SGLang release, if any). Linear in
+    the points (the cross product, less the excluded ones, plus the include entries)."""
+    points: list[dict[str, Any]] = []
+    seen_points: set[tuple] = set()
+
+    def add(point: dict[str, Any]) -> None:
+        key = tuple(sorted((k, _hashable(v)) for k, v in point.items()))
+        if key not in seen_points:
+            seen_points.add(key)
+            points.append(point)
+
     if matrix.axes:
         axes = dict(matrix.axes)
         if "model" not in axes:
             axes["model"] = list(matrix.models)
         keys = list(axes)
+        # the exclude entries, grouped by the axes they name: one set lookup per group and point
+        excluded: dict[tuple[str, ...], set[tuple]] = {}
+        for ex in matrix.exclude:
+            if _version_applies(ex, sglang_version):
+                named = tuple(sorted(k for k in ex if k != "sglang_version"))
+                excluded.setdefault(named, set()).add(tuple(_hashable(ex[k]) for k in named))
         for values in itertools.product(*(axes[k] for k in keys)):
             point = dict(zip(keys, values, strict=True))
-            if any(_matches(point, ex, sglang_version) for ex in matrix.exclude):
+            if any(tuple(_hashable(point.get(k, DEFAULTS.get(k))) for k in named) in entries
+                   for named, entries in excluded.items()):
                 continue
-            points.append(point)
+            add(point)
     for inc in matrix.include:
-        point = {"model": next(iter(matrix.models)), **inc}
-        if point not in points:
-            points.append(point)
+        add({"model": next(iter(matrix.models)), **inc})
     configs = []
     seen: set[str] = set()
     for point in points:
@@ -254,14 +442,19 @@ def expand(matrix: MatrixFile, hardware: str = "cpu", workload_version: str = ""
     return configs
 
 
-def _matches(point: dict[str, Any], pattern: dict[str, Any], version: str | None) -> bool:
-    """Whether an exclude entry matches; ``sglang_version`` limits it to releases in a range."""
+def _hashable(value: Any) -> Any:
+    """Axis values are scalars once validated; anything else compares by its JSON text."""
+    try:
+        hash(value)
+    except TypeError:
+        return json.dumps(value, sort_keys=True, default=str)
+    return (type(value).__name__, value) if isinstance(value, bool) else value
+
+
+def _version_applies(pattern: dict[str, Any], version: str | None) -> bool:
     spec = pattern.get("sglang_version")
-    if spec is not None and (version is None or Version(version.split("+")[0])
-                             not in SpecifierSet(spec)):
-        return False
-    return all(point.get(k, DEFAULTS.get(k)) == v for k, v in pattern.items()
-               if k != "sglang_version")
+    return spec is None or (version is not None
+                            and Version(version.split("+")[0]) in SpecifierSet(spec))
 
 
 def make_config(matrix: MatrixFile, point: dict[str, Any], hardware: str = "cpu",

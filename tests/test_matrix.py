@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
+import re
+import time
+from pathlib import Path
+
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from evalsvc.matrix import AXES, SCENARIOS, MatrixError, expand, load_matrix, make_config
+from evalsvc.matrix import (
+    AXES,
+    ENGINE_FLAGS,
+    SCENARIOS,
+    MatrixError,
+    MatrixFile,
+    check_extra_args,
+    expand,
+    load_matrix,
+    make_config,
+)
 
 BASE = {"name": "t", "models": {"m": {"path": "hybrid-mamba2-tiny"}},
         "axes": {"strategy": ["no_buffer", "extra_buffer"], "overlap": [True, False]}}
 
 
-def write(tmp_path, data) -> str:
+def write(tmp_path, data) -> Path:
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(data))
-    return str(path)
+    return path
 
 
 def test_shipped_matrices_load_and_expand():
@@ -63,7 +78,7 @@ def test_bad_matrix_names_file_and_key(tmp_path, change, key):
     path = write(tmp_path, data)
     with pytest.raises(MatrixError) as err:
         load_matrix(path)
-    assert path in str(err.value) and key in str(err.value)
+    assert str(path) in str(err.value) and key in str(err.value)
 
 
 def test_unknown_matrix_name_lists_known_ones():
@@ -96,3 +111,88 @@ def test_config_args_are_sglang_server_args():
                                   "speculative"}
     assert cfg.accept_floor is None  # floors live in configs/thresholds.yaml
     assert set(AXES) >= set(cfg.settings)
+
+
+def test_expand_is_linear_in_its_points():
+    """20,000 include entries, each twice: one config each, in time linear in the entries (a list
+    membership test per entry took about a minute here)."""
+    n = 20_000
+    m = MatrixFile.model_validate({**BASE, "axes": {}, "include": [
+        {"model": "m", "chunked_prefill": i} for i in range(1, n + 1)] * 2})
+    t0 = time.monotonic()
+    configs = expand(m)
+    assert len(configs) == n and len({c.name for c in configs}) == n
+    assert time.monotonic() - t0 < 20
+
+
+def test_strings_name_matrices_and_paths_need_the_caller_to_allow_them(tmp_path):
+    path = write(tmp_path, BASE)
+    with pytest.raises(MatrixError, match="by name"):
+        load_matrix(str(path))
+    assert load_matrix(str(path), allow_path=True).name == "t"
+    assert load_matrix(path).name == "t"  # a Path is the operator's own code
+    with pytest.raises(MatrixError):
+        load_matrix("../configs/smoke")
+
+
+def test_a_file_that_is_no_matrix_is_named_but_not_shown(tmp_path):
+    path = tmp_path / "other.yaml"
+    path.write_text(yaml.safe_dump({"password": "hunter2", "history": {"window": 3}}))
+    with pytest.raises(MatrixError) as err:
+        load_matrix(path)
+    assert "not a matrix file" in str(err.value)
+    assert "password" not in str(err.value) and "history" not in str(err.value)
+    with pytest.raises(MatrixError) as err:
+        load_matrix("thresholds")
+    assert "not a matrix file" in str(err.value) and "rules" not in str(err.value)
+
+
+@pytest.mark.parametrize(("section", "entry", "key"), [
+    ("include", {"model": "nope"}, "include[0].model"),
+    ("include", {"strategy": "fast"}, "include[0].strategy"),
+    ("include", {"overlap": 1}, "include[0].overlap"),
+    ("include", {"strategy": {"a": 1}}, "include[0].strategy"),
+    ("exclude", {"chunked_prefill": "64"}, "exclude[0].chunked_prefill"),
+    ("exclude", {"colour": 1}, "exclude[0].colour"),
+])
+def test_include_and_exclude_entries_are_checked_like_axes(section, entry, key):
+    with pytest.raises(ValidationError, match=re.escape(key)):
+        MatrixFile.model_validate({**BASE, section: [entry]})
+
+
+def test_a_matrix_needs_configs_and_safe_names():
+    for data in ({**BASE, "axes": {}}, {**BASE, "models": {}}, {**BASE, "name": "../x"},
+                 {**BASE, "models": {"a/b": {"path": "hybrid-mamba2-tiny"}}}):
+        with pytest.raises(ValidationError):
+            MatrixFile.model_validate(data)
+
+
+def test_shipped_matrices_keep_to_the_engine_flag_allowlist():
+    for name in ("smoke", "mamba-full"):
+        m = load_matrix(name)
+        m.check_engine_flags()
+        assert set(m.extra_args) <= ENGINE_FLAGS[m.engine]
+    with pytest.raises(ValueError, match=r"extra_args\.host"):
+        check_extra_args({"host": "0.0.0.0"}, "sglang")
+
+
+def test_exclude_entries_match_as_before_and_in_linear_time():
+    m = MatrixFile.model_validate({**BASE, "axes": {
+        "strategy": ["no_buffer", "extra_buffer"], "overlap": [True, False],
+        "chunked_prefill": [None, 64, -1]}, "exclude": [
+        {"strategy": "no_buffer", "overlap": True}, {"chunked_prefill": -1, "overlap": False},
+        {"chunked_prefill": None, "strategy": "extra_buffer", "overlap": True},
+        {"hicache": True}, {"strategy": "extra_buffer", "sglang_version": "<0.5.14"}]})
+    names = {c.name for c in expand(m)}
+    assert names == {"m-nb-sync", "m-nb-sync-c64", "m-eb-ov-c64", "m-eb-ov-nochunk",
+                     "m-eb-sync", "m-eb-sync-c64"}
+    assert {c.name for c in expand(m, sglang_version="0.5.13")} == {"m-nb-sync", "m-nb-sync-c64"}
+    # 1,000 points against 3,000 entries: a set lookup per point, not a comparison per entry (about
+    # 18 s here when every point was compared with every entry)
+    big = MatrixFile.model_validate({**BASE, "axes": {"chunked_prefill": list(range(1, 1001))},
+                                     "exclude": [{"chunked_prefill": -i} for i in range(3000)]
+                                     + [{"chunked_prefill": 7}]})
+    t0 = time.monotonic()
+    configs = expand(big)
+    assert len(configs) == 999 and "m-auto-ov-c7" not in {c.name for c in configs}
+    assert time.monotonic() - t0 < 8

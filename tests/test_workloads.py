@@ -8,7 +8,14 @@ import pandas as pd
 import pytest
 
 from evalsvc.matrix import WorkloadSpec
-from evalsvc.workloads import WorkloadError, _sharegpt_prompts, load_prompts, workload_version
+from evalsvc.workloads import (
+    WorkloadError,
+    _sharegpt_prompts,
+    check_dataset,
+    is_local,
+    load_prompts,
+    workload_version,
+)
 
 
 def test_builtin_demo_is_deterministic_and_seeded():
@@ -58,3 +65,40 @@ def test_sharegpt_first_human_turns(tmp_path):
     prompts = _sharegpt_prompts(path, WorkloadSpec(num_prompts=4))
     assert len(prompts) == 4
     assert all(p.id.startswith("c") and "explain topic" in p.text for p in prompts)
+
+
+def test_paths_are_never_taken_for_hub_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    for path in ("/etc/passwd", "./x", "../x", "~/x", "a/b/c", "a/../b", "p.jsonl", "prompts",
+                 str(tmp_path / "prompts"), "a\\b", "hf://x"):
+        assert is_local(path), path
+    for name in ("squad", "openai/gsm8k", "builtin:demo"):
+        assert not is_local(name), name
+
+
+def test_local_datasets_under_a_root_only(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "p.jsonl").write_text(json.dumps({"text": "a prompt " * 5}) + "\n")
+    (root / "dir").mkdir()
+    (tmp_path / "out.jsonl").write_text((root / "p.jsonl").read_text())
+    spec = WorkloadSpec(dataset="p.jsonl")
+    assert check_dataset(spec, allow_local=False, root=root) == str(root / "p.jsonl")
+    for dataset in ("../out.jsonl", str(tmp_path / "out.jsonl"), "dir", "absent.jsonl"):
+        with pytest.raises(WorkloadError, match=r"workload\.dataset"):
+            check_dataset(WorkloadSpec(dataset=dataset), allow_local=False, root=root)
+    with pytest.raises(WorkloadError, match="not accepted"):
+        check_dataset(spec, allow_local=False, root=None)
+    assert check_dataset(WorkloadSpec(dataset="openai/gsm8k"), allow_local=False) == "openai/gsm8k"
+
+
+@pytest.mark.parametrize(("name", "data"), [
+    ("bad.parquet", b"PAR1 cut short"), ("bad.jsonl", b"[1, 2]\n"), ("bad.jsonl", b"\xff\xfe\n"),
+    ("bad.csv", b""), ("bad.json", b"hello"), ("bad.jsonl", b"secret-token-123 not json\n"),
+])
+def test_unreadable_files_are_refused_without_their_contents(tmp_path, name, data):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(WorkloadError, match="cannot be read") as err:
+        check_dataset(WorkloadSpec(dataset=str(tmp_path / name)))
+    assert "secret" not in str(err.value)

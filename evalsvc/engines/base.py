@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from evalsvc.engines.launch import EngineProcess, embedded_command
-from evalsvc.engines.sglang_server import build_command, build_flags
+from evalsvc.engines.sglang_server import build_command, build_flags, engine_flags, loopback
 
 
 @dataclass
@@ -23,7 +23,7 @@ class EngineSpec:
     version: str | None = None  # SGLang release the command line is spelled for (None: newest)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 120.0
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback only: the command builders refuse any other
     die_with_parent: bool = False  # the engine is killed when its launcher dies (Ray workers)
     unset_env: list[str] = field(default_factory=list)  # names the engine does not inherit
 
@@ -33,9 +33,9 @@ def engine_command(spec: EngineSpec, args: dict[str, Any], port: int) -> list[st
     python = spec.python or sys.executable
     if spec.kind == "sglang":
         return build_command(args, port=port, python=python, version=spec.version, host=spec.host)
-    rest = {k: v for k, v in args.items() if k not in ("model_path", "host", "port")}
-    return embedded_command(port, ["--model-path", str(args["model_path"]), "--host", spec.host,
-                                   *build_flags(rest)], python=python)
+    return embedded_command(port, ["--model-path", str(args["model_path"]),
+                                   "--host", loopback(spec.host), *build_flags(engine_flags(args))],
+                            python=python)
 
 
 def launch(spec: EngineSpec, args: dict[str, Any], port: int, log_path: Path | None,

@@ -68,12 +68,41 @@ def build_flags(args: dict[str, Any], version: str | None = None) -> list[str]:
     return argv
 
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# flags the command builders set themselves: never from a config's arguments, nor any abbreviation
+# of them (argparse takes an unambiguous prefix such as --ho for --host)
+LAUNCHER_FLAGS = ("model_path", "host", "port")
+
+
+def engine_flags(args: dict[str, Any]) -> dict[str, Any]:
+    """A config's arguments less the ones the launcher sets; ValueError for a key that is no
+    ServerArgs field name or that argparse would read as a launcher flag."""
+    rest = {}
+    for key, value in args.items():
+        if key in LAUNCHER_FLAGS:
+            continue
+        if (not isinstance(key, str) or not key.isidentifier() or not key.islower()
+                or any(flag.startswith(key) for flag in LAUNCHER_FLAGS)):
+            raise ValueError(f"engine flag {key!r}: not a flag a config may set (the launcher "
+                             f"sets {', '.join(LAUNCHER_FLAGS)})")
+        rest[key] = value
+    return rest
+
+
+def loopback(host: str) -> str:
+    """Engines have no authentication: they listen on loopback only (ValueError otherwise)."""
+    if host not in LOOPBACK:
+        raise ValueError(f"engine host {host!r}: engines listen on loopback only "
+                         f"({', '.join(LOOPBACK)})")
+    return host
+
+
 def build_command(args: dict[str, Any], *, port: int, python: str, version: str | None = None,
                   host: str = "127.0.0.1") -> list[str]:
     """``python -m sglang.launch_server`` with a config's arguments, for a given release."""
-    rest = {k: v for k, v in args.items() if k not in ("model_path", "host", "port")}
     return [python, "-m", "sglang.launch_server", "--model-path", str(args["model_path"]),
-            "--host", host, "--port", str(port), *build_flags(rest, version)]
+            "--host", loopback(host), "--port", str(port),
+            *build_flags(engine_flags(args), version)]
 
 
 # ---- requests --------------------------------------------------------------------------------

@@ -1,0 +1,19 @@
+"""Paths built from names a job carries (job ids, matrix, model and config names): always inside
+their root directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def inside(root: str | Path, *parts: str | Path) -> Path:
+    """``root / parts...``, resolved (symbolic links too); ValueError if it is not inside ``root``
+    (an absolute part, ``..`` out of it, a link elsewhere, a NUL character)."""
+    base = Path(root).resolve()
+    for part in parts:
+        if "\0" in str(part):
+            raise ValueError(f"path part {str(part)!r} contains a NUL character")
+    path = base.joinpath(*parts).resolve()
+    if not path.is_relative_to(base):
+        raise ValueError(f"{'/'.join(map(str, parts))!r} is not inside {base}")
+    return path
