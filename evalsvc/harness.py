@@ -73,6 +73,7 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
                control: RunControl | None = None) -> RunResult:
     """Run every scenario of one config on a fresh engine."""
     t0 = time.monotonic()
+    spec = spec.with_env(matrix.engine_env)
     result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
                        dict(config.args), verdict="error")
     log_path = inside(log_dir, f"{config.name}.log") if log_dir else None

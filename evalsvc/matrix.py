@@ -61,6 +61,10 @@ SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
     "speculative_attention_mode", "watchdog_timeout",
 })
 ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
+# Environment variables a matrix may give its engines (``engine_env``), per engine: SGLang's CPU
+# engine switch (``--device cpu`` serves through it); the embedded engine's torch threads.
+ENGINE_ENV = {"embedded": frozenset({"EVALSVC_ENGINE_THREADS"}),
+              "sglang": frozenset({"SGLANG_USE_CPU_ENGINE"})}
 FLAG_VALUES = {"load_format": {"auto", "safetensors", "pt", "dummy"}}
 
 
@@ -240,6 +244,8 @@ class MatrixFile(Strict):
     hicache: HiCacheSettings = Field(default_factory=HiCacheSettings)
     mtp: MTPSettings = Field(default_factory=MTPSettings)
     extra_args: dict[str, Any] = Field(default_factory=dict, description="ServerArgs fields for all")
+    engine_env: dict[str, str] = Field(default_factory=dict,
+                                       description="environment variables of every engine")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     scenarios: list[Literal[SCENARIOS]] = Field(default_factory=lambda: list(SCENARIOS),
                                                max_length=len(SCENARIOS))
@@ -298,8 +304,19 @@ class MatrixFile(Strict):
         return self
 
     def check_engine_flags(self, engine: str | None = None) -> None:
-        """``extra_args`` against the allowlist of ``engine`` (default: the matrix's own)."""
-        check_extra_args(self.extra_args, engine or self.engine)
+        """``extra_args`` and ``engine_env`` against the allowlists of ``engine`` (default: the
+        matrix's own)."""
+        engine = engine or self.engine
+        check_extra_args(self.extra_args, engine)
+        allowed = ENGINE_ENV[engine]
+        for name, value in self.engine_env.items():
+            where = f"engine_env.{name[:100]}"
+            if name not in allowed:
+                raise ValueError(f"{where}: not a variable a matrix may set for the {engine} "
+                                 f"engine (allowed: {', '.join(sorted(allowed))})")
+            if not FLAG_VALUE_RE.fullmatch(value):
+                raise ValueError(f"{where}: {shown(value)} is not a plain value (letters, digits, "
+                                 "'.', '_', '+', '-', at most 64, not starting with '-')")
 
     def cross_product(self) -> int:
         """How many combinations the axes make before any is excluded (0 without axes)."""
@@ -469,6 +486,8 @@ def make_config(matrix: MatrixFile, point: dict[str, Any], hardware: str = "cpu"
         "dtype": model.dtype, "tp_size": model.tp_size, "hardware": hardware,
         "workload": workload_version,
     }
+    if matrix.engine_env:  # what the engine's environment switches on is part of what it is
+        identity["engine_env"] = dict(sorted(matrix.engine_env.items()))
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
     floor = model.accept_floor.get(matrix.mtp.num_steps) if settings["mtp"] else None
     return Config(name=config_name(settings), matrix=matrix.name, model=settings["model"],

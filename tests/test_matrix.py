@@ -168,12 +168,28 @@ def test_a_matrix_needs_configs_and_safe_names():
 
 
 def test_shipped_matrices_keep_to_the_engine_flag_allowlist():
-    for name in ("smoke", "mamba-full"):
+    for name in ("smoke", "mamba-full", "sglang-cpu"):
         m = load_matrix(name)
         m.check_engine_flags()
         assert set(m.extra_args) <= ENGINE_FLAGS[m.engine]
     with pytest.raises(ValueError, match=r"extra_args\.host"):
         check_extra_args({"host": "0.0.0.0"}, "sglang")
+
+
+def test_engine_env_keeps_to_its_allowlist_and_makes_its_own_fingerprint():
+    cpu = MatrixFile.model_validate({**BASE, "engine": "sglang",
+                                     "engine_env": {"SGLANG_USE_CPU_ENGINE": "1"}})
+    cpu.check_engine_flags()
+    plain = MatrixFile.model_validate({**BASE, "engine": "sglang"})
+    assert ({c.name for c in expand(cpu)} == {c.name for c in expand(plain)}
+            and {c.fingerprint for c in expand(cpu)}.isdisjoint(c.fingerprint for c in expand(plain)))
+    for env, problem in [({"LD_PRELOAD": "/tmp/x.so"}, r"engine_env\.LD_PRELOAD: not a variable"),
+                         ({"SGLANG_USE_CPU_ENGINE": "1; rm -rf /"}, "not a plain value")]:
+        bad = MatrixFile.model_validate({**BASE, "engine": "sglang", "engine_env": env})
+        with pytest.raises(ValueError, match=problem):
+            bad.check_engine_flags()
+    with pytest.raises(ValueError, match=r"engine_env\.SGLANG_USE_CPU_ENGINE"):
+        cpu.check_engine_flags("embedded")
 
 
 def test_exclude_entries_match_as_before_and_in_linear_time():

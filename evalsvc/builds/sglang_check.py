@@ -35,8 +35,9 @@ tokenizer manager does, ``SamplingParams(**sampling_params)`` with ``normalize(N
 ``verify(vocab_size)``; where the release has ``entrypoints.api_contract`` (the HTTP server's
 ``/generate`` body check, 0.5.2x), ``generate_contract_error(payload)`` first.
 
-Patched, because this runs on a machine without a GPU (``--device cpu``), and nothing else;
-``patches`` in the result says which of them this release had:
+Patched, because this runs on a machine without a GPU (``--device cpu``), and nothing else
+(``"host_patches": false`` in the job leaves SGLang as it is, to check a matrix meant for the CPU
+against SGLang's own CPU rules); ``patches`` in the result says which of them this release had:
 
 * 0.5.23 (releases with ``arg_groups`` hooks):
   ``sglang.srt.arg_groups.mamba_hook._platform_supports_mamba_cache_extra_buffer``
@@ -412,7 +413,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import sglang  # noqa: F401  (import errors are the env's, and fatal)
 
-    patches = apply_patches()
+    # "host_patches": false checks a matrix for the CPU itself (a CPU matrix, SGLang's CPU rules)
+    patches = apply_patches() if job.get("host_patches", True) else []
     timeout_s = int(job.get("timeout_s", 120))
     model_path = str(job["model_path"])
     device = job.get("device", "cpu")

@@ -71,6 +71,10 @@ DEPENDENCIES = (
     "dill", "apache-tvm-ffi", "sentencepiece", "compressed-tensors", "gguf", "openai",
     "partial-json-parser", "einops", "triton",
 )
+# Imported by some releases only: 0.5.16 and 0.5.17's function-call parsers (which server_args
+# imports) import xgrammar at module level. Kept out of the other releases' recipes, so their
+# fingerprints (and the envs already made) stay as they are.
+RELEASE_DEPENDENCIES = {"0.5.16": ("xgrammar",), "0.5.17": ("xgrammar",)}
 # Pinned by SGLang to the torch it was built for; torch==2.13.0 (CPU) replaces that torch here.
 TORCH_FAMILY = {"torch", "torchvision", "torchaudio", "torchao", "torchcodec", "triton"}
 SMOKE_IMPORTS = ("sglang.srt.server_args", "sglang.srt.managers.io_struct")
@@ -131,9 +135,13 @@ def env_python(env: Path) -> Path:
 def recipe(version: str) -> dict[str, Any]:
     """Everything that decides what an env holds; its hash is the env's fingerprint."""
     return {"recipe_version": RECIPE_VERSION, "sglang": f"sglang=={version}", "torch": TORCH,
-            "extra_pins": list(EXTRA_PINS), "dependencies": list(DEPENDENCIES),
+            "extra_pins": list(EXTRA_PINS), "dependencies": list(_dependencies(version)),
             "sitecustomize": hashlib.sha256(SITECUSTOMIZE.encode()).hexdigest(),
             "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+
+
+def _dependencies(version: str) -> tuple[str, ...]:
+    return DEPENDENCIES + RELEASE_DEPENDENCIES.get(version, ())
 
 
 def fingerprint(version: str) -> str:
@@ -237,7 +245,7 @@ def _install(version: str, tmp: Path) -> list[dict[str, Any]]:
          timeout=1800)
     pins = sglang_pins(_site_packages(tmp, version), version)
     constraints.write_text("\n".join([TORCH, *EXTRA_PINS, *pins]) + "\n")
-    step("install dependencies", [*pip, TORCH, *DEPENDENCIES], timeout=3600)
+    step("install dependencies", [*pip, TORCH, *_dependencies(version)], timeout=3600)
     (_site_packages(tmp, version) / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return steps
 

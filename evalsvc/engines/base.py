@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +26,10 @@ class EngineSpec:
     host: str = "127.0.0.1"  # loopback only: the command builders refuse any other
     die_with_parent: bool = False  # the engine is killed when its launcher dies (Ray workers)
     unset_env: list[str] = field(default_factory=list)  # names the engine does not inherit
+
+    def with_env(self, env: dict[str, str]) -> EngineSpec:
+        """This spec with ``env`` (a matrix's ``engine_env``) under its own variables."""
+        return replace(self, env={**env, **self.env}) if env else self
 
 
 def engine_command(spec: EngineSpec, args: dict[str, Any], port: int) -> list[str]:

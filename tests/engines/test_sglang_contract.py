@@ -81,6 +81,36 @@ def other_release(version: str) -> str:
 
 # One pytest-xdist worker per release: the one that builds its env runs its tests, and the
 # other worker goes on with other tests instead of waiting on the env's lock.
+def release_python(version: str) -> Path:
+    """The python of the cached env of one SGLang release (skipped here when the package index
+    cannot be reached and CI is not set; failed otherwise)."""
+    try:
+        return sglang_env.ensure_sglang_env(version)
+    except sglang_env.SGLangEnvError as exc:
+        if exc.offline and not in_ci():
+            pytest.skip(f"sglang {version} env cannot be built here (package index unreachable or "
+                        f"without the release; CI is not set): {str(exc).splitlines()[0]}")
+        pytest.fail(str(exc), pytrace=False)
+
+
+def run_checker(python: Path, version: str, job: dict[str, Any]) -> dict[str, Any]:
+    """``evalsvc/builds/sglang_check.py`` under the release's python, on one job."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    try:
+        done = subprocess.run([str(python), str(CHECKER)], input=json.dumps(job),
+                              capture_output=True, text=True, timeout=1800, env=env, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"sglang {version} checker timed out: {str(exc.stderr)[-4000:]}", pytrace=False)
+    if done.returncode != 0:
+        pytest.fail(f"sglang {version} checker exited {done.returncode}:\n{done.stderr[-6000:]}",
+                    pytrace=False)
+    try:
+        return json.loads(done.stdout)
+    except ValueError:
+        pytest.fail(f"sglang {version} checker printed no JSON:\n{done.stdout[-2000:]}\n"
+                    f"{done.stderr[-4000:]}", pytrace=False)
+
+
 @pytest.fixture(scope="session", params=[pytest.param(v, marks=pytest.mark.xdist_group(f"sglang-{v}"))
                                          for v in VERSIONS])
 def version(request: pytest.FixtureRequest) -> str:
@@ -95,13 +125,7 @@ def matrix() -> MatrixFile:
 @pytest.fixture(scope="session")
 def contract(version: str, matrix: MatrixFile) -> dict[str, Any]:
     """One checker run for this release: every matrix and excluded command, every payload."""
-    try:
-        python = sglang_env.ensure_sglang_env(version)
-    except sglang_env.SGLangEnvError as exc:
-        if exc.offline and not in_ci():
-            pytest.skip(f"sglang {version} env cannot be built here (package index unreachable or "
-                        f"without the release; CI is not set): {str(exc).splitlines()[0]}")
-        pytest.fail(str(exc), pytrace=False)
+    python = release_python(version)
     configs = {cfg.name: cfg for cfg in expand(matrix, sglang_version=version)}
     excluded = {cfg.name: cfg for cfg in excluded_configs(matrix, version)}
     # A control: the first config spelled for the other release must not get through the parser.
@@ -116,20 +140,7 @@ def contract(version: str, matrix: MatrixFile) -> dict[str, Any]:
                     + [{"id": CONTROL, "argv": control}],
         "payloads": [{"id": k, "payload": v} for k, v in {**payloads(), **BAD_PAYLOADS}.items()],
     }
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    try:
-        done = subprocess.run([str(python), str(CHECKER)], input=json.dumps(job),
-                              capture_output=True, text=True, timeout=1800, env=env, check=False)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"sglang {version} checker timed out: {str(exc.stderr)[-4000:]}", pytrace=False)
-    if done.returncode != 0:
-        pytest.fail(f"sglang {version} checker exited {done.returncode}:\n{done.stderr[-6000:]}",
-                    pytrace=False)
-    try:
-        result = json.loads(done.stdout)
-    except ValueError:
-        pytest.fail(f"sglang {version} checker printed no JSON:\n{done.stdout[-2000:]}\n"
-                    f"{done.stderr[-4000:]}", pytrace=False)
+    result = run_checker(python, version, job)
     result["configs"] = configs
     result["excluded"] = excluded
     result["by_command"] = {c["id"]: c for c in result["commands"]}
