@@ -12,10 +12,12 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -226,6 +228,25 @@ def test_missing_model_path_in_run_config_and_cli(tmp_path, no_engine_left_behin
     rows = json.loads((out / "summary.json").read_text())
     assert [row["verdict"] for row in rows] == ["error"]
     assert f"model {MISSING_MODEL}: not a local directory" in rows[0]["reason"]
+    assert not wait_no_engines(no_engine_left_behind)
+
+
+@pytest.mark.slow
+def test_model_without_its_weights_fails_at_once_naming_the_file(tmp_path, no_engine_left_behind):
+    """The engine exits as soon as it cannot load the model (as SGLang's launcher does), so the run
+    is an error within seconds, not after the start-up deadline."""
+    model = tmp_path / "no-weights"
+    shutil.copytree(MODELS_DIR / "hybrid-mamba2-tiny", model,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    matrix, configs = load(tmp_path / "m.yaml", {
+        **EMBEDDED, "models": {"m": {"path": str(model)}}, "include": [{"strategy": "auto"}]})
+    t0 = time.monotonic()
+    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path)
+    assert time.monotonic() - t0 < 20
+    assert r.verdict == "error"
+    assert r.reason.startswith("engine did not start: engine exited with code 1 during start-up")
+    assert f"{model / 'model.safetensors'}: no such file" in r.reason  # the engine's log tail
+    assert r.scenarios == []
     assert not wait_no_engines(no_engine_left_behind)
 
 
