@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     nightly: bool = True  # run the nightly schedules inside the service
     alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
     public_url: str | None = None  # the dashboard's address, for links in alerts
+    # engines
+    # a run's deadline in seconds, engine start-up included, for matrices without run_timeout_s:
+    # past it the run is an error and its engine is killed (the smoke matrix's runs take minutes)
+    run_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)
 
     @field_validator("allowed_sources", mode="before")
     @classmethod
