@@ -217,6 +217,9 @@ def _check_platform(args: EngineArgs) -> None:
                        "recurrent state in float32")
     if args.mamba_track_interval <= 0:
         raise ArgError(f"--mamba-track-interval {args.mamba_track_interval} must be positive")
+    # each request's default sampling seed derives from it; numpy's seeds are 32-bit, as SGLang's
+    if args.random_seed is not None and not 0 <= args.random_seed < 2**32:
+        raise ArgError(f"--random-seed {args.random_seed}: must be between 0 and {2**32 - 1}")
 
 
 def _resolve_mamba(args: EngineArgs, config: dict) -> None:
