@@ -188,7 +188,11 @@ def resolve(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Engine
     args.warnings = warnings
     model = resolve_model_path(ns.model_path)
     args.model_path = str(model)
-    config = json.loads((model / "config.json").read_text())
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except ValueError as exc:  # a broken model directory: say which file, as a flag error
+        raise ArgError(f"--model-path {ns.model_path}: {model / 'config.json'} is not valid "
+                       f"JSON ({exc})") from None
     try:
         args.defect_strengths = parse_defect_strengths(ns.inject_defect, env)
         args.defects = list(args.defect_strengths)
