@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     max_matrix_bytes: int = Field(262_144, ge=1)  # an inline matrix, as JSON
     # local dataset files API jobs may name lie under this directory (None: none may)
     datasets_dir: Path | None = None
+    # engines
+    # a run's deadline in seconds, engine start-up included, for matrices without run_timeout_s:
+    # past it the run is an error and its engine is killed (the smoke matrix's runs take minutes)
+    run_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)
 
     @field_validator("allowed_sources", mode="before")
     @classmethod
