@@ -171,8 +171,8 @@ def test_cancel_stops_a_job_in_every_phase(runner, fake_engine, monkeypatch, pha
 
 
 def test_a_job_answered_cancelled_never_starts(runner, fake_engine):
-    """Rounds of 50 concurrent submit-then-cancel against a real runner: a job answered cancelled
-    never starts a run; one answered cancelling ends cancelled."""
+    """Rounds of 50 concurrent submit-then-cancel on SQLite against a real runner: a job answered
+    cancelled never starts a run; one answered cancelling ends cancelled."""
     jobs = runner()
 
     def submit_then_cancel(_: int) -> tuple[str, str | None]:
@@ -180,7 +180,7 @@ def test_a_job_answered_cancelled_never_starts(runner, fake_engine):
         return job_id, jobs.cancel(job_id)
 
     answers: dict[str, str | None] = {}
-    for _ in range(4):
+    for _ in range(8):  # unfixed, about one job in 200 was answered cancelled and then ran
         with ThreadPoolExecutor(50) as pool:
             answers.update(pool.map(submit_then_cancel, range(50)))
     assert set(answers.values()) <= {"cancelled", "cancelling"}, answers
