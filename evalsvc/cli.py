@@ -276,6 +276,7 @@ def serve(
     from evalsvc.api.app import create_app
     from evalsvc.logs import setup_logging
     from evalsvc.settings import Settings
+    from evalsvc.store import shown_url
 
     settings = Settings()
     host = host or settings.host
@@ -302,8 +303,8 @@ def serve(
         typer.echo(f"error: --port {port} on {host}: {exc.strerror or exc} (is another service "
                    "running there?)", err=True)
         raise typer.Exit(2) from None
-    log.info("database %s; docs at http://%s:%d/docs", settings.resolved_database_url(), host,
-             port)
+    log.info("database %s; docs at http://%s:%d/docs", shown_url(settings.resolved_database_url()),
+             host, port)
     config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
@@ -522,32 +523,35 @@ app.add_typer(db_app, name="db")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply migrations (to head by default)."""
     from evalsvc.settings import Settings
+    from evalsvc.store import shown_url
     from evalsvc.store.db import current, upgrade
 
     url = Settings().resolved_database_url()
     upgrade(url, revision)
-    typer.echo(f"{url}: at revision {current(url)}")
+    typer.echo(f"{shown_url(url)}: at revision {current(url)}")
 
 
 @db_app.command("downgrade")
 def db_downgrade(revision: Annotated[str, typer.Argument()] = "base") -> None:
     """Revert migrations (to an empty schema by default)."""
     from evalsvc.settings import Settings
+    from evalsvc.store import shown_url
     from evalsvc.store.db import current, downgrade
 
     url = Settings().resolved_database_url()
     downgrade(url, revision)
-    typer.echo(f"{url}: at revision {current(url)}")
+    typer.echo(f"{shown_url(url)}: at revision {current(url)}")
 
 
 @db_app.command("current")
 def db_current() -> None:
     """The revision the database is at."""
     from evalsvc.settings import Settings
+    from evalsvc.store import shown_url
     from evalsvc.store.db import current
 
     url = Settings().resolved_database_url()
-    typer.echo(f"{url}: at revision {current(url)}")
+    typer.echo(f"{shown_url(url)}: at revision {current(url)}")
 
 
 @app.command()

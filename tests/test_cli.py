@@ -68,3 +68,22 @@ def test_engine_command_serves_with_the_flags_given(tmp_path):
             assert out.status_code == 200
             assert out.json()["meta_info"]["completion_tokens"] == 3
         assert eng.stop() == 0  # SIGTERM through the CLI: a clean exit
+
+
+def test_db_commands_show_the_database_url_without_its_password(request, tmp_path, engines):
+    from sqlalchemy.engine import make_url
+
+    from tests.conftest import database
+
+    with database(request, "postgresql", tmp_path, engines) as db_url:
+        _db_upgrade_hides_the_password(make_url(db_url))
+
+
+def _db_upgrade_hides_the_password(url) -> None:
+    with_password = url.set(password="s3cret-pw").render_as_string(hide_password=False)
+    env = {**clean_env(), "EVALSVC_DATABASE_URL": with_password}
+    done = subprocess.run([sys.executable, "-m", "evalsvc.cli", "db", "upgrade"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "at revision" in done.stdout and "***" in done.stdout
+    assert "s3cret-pw" not in done.stdout + done.stderr

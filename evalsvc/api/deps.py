@@ -13,7 +13,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -21,6 +20,7 @@ from evalsvc.bisect import Bisector
 from evalsvc.dispatch import make_dispatcher
 from evalsvc.jobs import JobService, describe
 from evalsvc.settings import Settings
+from evalsvc.store import shown_url
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
 
@@ -92,7 +92,7 @@ class Services:
         return self.jobs.runner_problem()
 
     def store_shown(self) -> str:
-        return make_url(self.store.url).render_as_string(hide_password=True)
+        return shown_url(self.store.url)
 
     def render_metrics(self) -> bytes:
         registry = CollectorRegistry()

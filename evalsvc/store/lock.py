@@ -17,6 +17,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
+from evalsvc.store import shown_url
+
 # the advisory lock's key, the same in every evalsvc (b"evalsvc\0" as a big-endian int64)
 ADVISORY_KEY = 0x6576616C73766300
 
@@ -40,7 +42,7 @@ class StoreLock:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.shown = make_url(url).render_as_string(hide_password=True)
+        self.shown = shown_url(url)
         self._fd: int | None = None
         self._engine: Engine | None = None
         self._conn: Connection | None = None
