@@ -123,13 +123,13 @@ def _ending(line: str) -> str:
     return line[len(stripped):]
 
 
-def _insert_decode_clearing(tree: SourceTree) -> dict[str, bytes]:
-    fix = CLEAR_DEFERRED_MAMBA_METADATA
-    rel = SCHEDULE_BATCH
+def _read_module(tree: SourceTree, rel: str, patch: str
+                 ) -> tuple[Path, ast.Module, str, Callable[[str], PatchError]]:
+    """A file a transform edits: its path, parse, text, and the error that names the patch."""
     path = tree.path(rel)
 
     def fail(why: str) -> PatchError:
-        return PatchError(f"{fix}: {path}: {why}; nothing was changed")
+        return PatchError(f"{patch}: {path}: {why}; nothing was changed")
 
     data = path.read_bytes()
     try:
@@ -137,6 +137,12 @@ def _insert_decode_clearing(tree: SourceTree) -> dict[str, bytes]:
         text = data.decode("utf-8")
     except (SyntaxError, UnicodeDecodeError) as exc:
         raise fail(f"cannot parse ({exc})") from exc
+    return path, module, text, fail
+
+
+def _insert_decode_clearing(tree: SourceTree) -> dict[str, bytes]:
+    rel = SCHEDULE_BATCH
+    path, module, text, fail = _read_module(tree, rel, CLEAR_DEFERRED_MAMBA_METADATA)
     function = find_prepare_for_decode(module)
     if function is None:
         raise fail("no ScheduleBatch.prepare_for_decode")
@@ -278,17 +284,7 @@ def _chunked_test(module: ast.Module, var: str) -> str | None:
 def _drop_chunked_cow(tree: SourceTree) -> dict[str, bytes]:
     name = DEFERRED_OPS_DROPPED
     rel = SCHEDULE_BATCH
-    path = tree.path(rel)
-
-    def fail(why: str) -> PatchError:
-        return PatchError(f"{name}: {path}: {why}; nothing was changed")
-
-    data = path.read_bytes()
-    try:
-        module = ast.parse(data, filename=str(path))
-        text = data.decode("utf-8")
-    except (SyntaxError, UnicodeDecodeError) as exc:
-        raise fail(f"cannot parse ({exc})") from exc
+    path, module, text, fail = _read_module(tree, rel, name)
     found = _collector_loop(module)
     if found is None:
         raise fail(f"no ScheduleBatch.{COLLECT_DEFERRED} with a loop over requests")
