@@ -294,10 +294,43 @@ def serve(
     if not settings.api_token:
         log.warning("no EVALSVC_API_TOKEN: mutating endpoints are open, so the service binds to "
                     "%s (loopback) only", host)
+    # the port first, then the store's lock, then recovery (the app's start-up): a second
+    # service on a port or a store in use exits before it touches anything
+    try:
+        sock = _listen(host, port)
+    except OSError as exc:
+        typer.echo(f"error: --port {port} on {host}: {exc.strerror or exc} (is another service "
+                   "running there?)", err=True)
+        raise typer.Exit(2) from None
     log.info("database %s; docs at http://%s:%d/docs", settings.resolved_database_url(), host,
              port)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=30)
+    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:  # the start-up failed (logged): e.g. the store is in use
+        typer.echo("error: the service did not start (see the log above)", err=True)
+        raise typer.Exit(3)
+
+
+def _listen(host: str, port: int):
+    """A listening socket on host:port (OSError if the address is in use), as uvicorn binds."""
+    import socket
+
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 @app.command()
@@ -342,8 +375,13 @@ def nightly(
             if job_id:
                 submitted.append(job_id)
         if wait and submitted:
+            from evalsvc.store.lock import StoreLocked
+
             jobs = JobService(settings, store, _dispatcher(settings))
-            jobs.start()
+            try:
+                jobs.start()
+            except StoreLocked:  # the service running on this store runs them
+                typer.echo("a service runs on this store: waiting for it to run them")
             while True:
                 with store.session() as sess:
                     states = {j: sess.get(Job, j).status for j in submitted}
@@ -419,11 +457,22 @@ def bisect(
     from evalsvc.jobs import JobService
     from evalsvc.settings import Settings
     from evalsvc.store.db import Store
+    from evalsvc.store.lock import StoreLock, StoreLocked
     from evalsvc.store.models import Bisection
 
     settings = Settings()
-    dispatcher = _dispatcher(settings)
-    store = Store(settings.resolved_database_url())
+    lock = StoreLock(settings.resolved_database_url())  # this runs a job runner on the store
+    try:
+        lock.acquire()
+    except StoreLocked as exc:
+        typer.echo(f"error: {exc} (or ask it: --server URL)", err=True)
+        raise typer.Exit(2) from None
+    try:
+        dispatcher = _dispatcher(settings)
+        store = Store(settings.resolved_database_url())
+    except BaseException:
+        lock.release()
+        raise
     jobs = JobService(settings, store, dispatcher)
     bisector = Bisector(store, jobs)
     try:
@@ -435,13 +484,14 @@ def bisect(
         with store.session() as s:
             n = len(s.get(Bisection, bisect_id).candidates)
         typer.echo(f"bisection {bisect_id}: {n} candidate commits")
-        jobs.start()
+        jobs.start(lock)
         bisector.run(bisect_id, on_step=show)
         with store.session() as s:
             b = s.get(Bisection, bisect_id)
             first_bad, used, error = b.first_bad, b.runs_used, b.error
     finally:
         jobs.stop()
+        lock.release()  # jobs.stop() did, unless the runner never started
         store.close()
     _bisect_result(first_bad, used, error)
 

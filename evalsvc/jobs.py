@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.alerts import collect, deliver
 from evalsvc.dispatch.base import RunTask
@@ -33,6 +34,7 @@ from evalsvc.logs import log_context
 from evalsvc.matrix import MatrixError, MatrixFile, WorkloadSpec, expand, load_matrix
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
+from evalsvc.store.lock import StoreLock
 from evalsvc.store.models import Job, Run, utcnow
 from evalsvc.store.record import (
     BuildRef,
@@ -96,6 +98,7 @@ class JobService:
         self._thread: threading.Thread | None = None
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
+        self._store_lock: StoreLock | None = None
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, body: JobCreate, trigger: str = "api", extra: dict[str, Any] | None = None,
@@ -202,25 +205,45 @@ class JobService:
 
     # ---- control ---------------------------------------------------------------------------
     def cancel(self, job_id: str) -> str | None:
-        """Cancel a queued or running job; returns its status, None if there is no such job."""
-        with self.store.session() as s:
-            job = s.get(Job, job_id)
-            if job is None:
-                return None
-            if job.status == "queued":
-                job.status, job.finished_at = "cancelled", utcnow()
-                self._count("cancelled")
-                return job.status
-            if job.status != "running":
-                return job.status
-        with self._lock:
+        """Cancel a queued or running job; returns its status, None if there is no such job.
+
+        A queued job is ``cancelled`` at once and never starts; a running one answers
+        ``cancelling`` and ends ``cancelled``: the runner stops it at its next phase, its
+        engines are stopped and its pending runs are cancelled. Each is one conditional update,
+        so a cancel and the runner taking the job up cannot both win."""
+        now = utcnow()
+        with self._lock:  # the runner finishes a job under this lock (_finish)
+            with self.store.session() as s:
+                if s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
+                             .values(status="cancelled", finished_at=now)).rowcount:
+                    self._count("cancelled")
+                    log.info("job %s cancelled before it started", job_id)
+                    return "cancelled"
+                running = s.execute(
+                    update(Job).where(Job.id == job_id, Job.status == "running",
+                                      Job.trigger != "cli")  # evalsvc run records it: no runner
+                    .values(cancel_requested_at=now)).rowcount
+                if not running:
+                    return s.scalar(select(Job.status).where(Job.id == job_id))
             self._cancelled.add(job_id)
-        self.dispatcher.cancel_job(job_id)
+        if self.dispatcher is not None:
+            self.dispatcher.cancel_job(job_id)
+        log.info("job %s cancelling", job_id)
         return "cancelling"
 
-    def start(self) -> None:
-        self.recover()
-        self.deliver_alerts()
+    def start(self, lock: StoreLock | None = None) -> None:
+        """Take the store's lock (StoreLocked if another service holds it; ``lock``: one taken
+        already), recover what a killed service left, and start the runner thread."""
+        if lock is None:
+            lock = StoreLock(self.store.url)
+            lock.acquire()
+        self._store_lock = lock
+        try:
+            self.recover()
+            self.deliver_alerts()
+        except BaseException:
+            self._release_lock()
+            raise
         self._thread = threading.Thread(target=self._loop, name="job-runner", daemon=True)
         self._thread.start()
 
@@ -231,17 +254,53 @@ class JobService:
             self.dispatcher.shutdown()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        lock, self._store_lock = self._store_lock, None
+        if lock is not None:
+            lock.release()
+
+    def runner_problem(self) -> str | None:
+        """Why the runner cannot take up jobs (its thread ended), None when it can or was never
+        started (a service that only submits)."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return "the job runner thread is not running (queued jobs do not start)"
 
     def recover(self) -> None:
-        """After a restart: stop engines a killed service left, requeue unfinished work."""
+        """After a restart: stop engines a killed service left, requeue unfinished work.
+
+        A job found running was taken up by a runner that died with it. One taken up
+        ``runner_max_attempts`` times is failed rather than run again (it may be what kills the
+        service, e.g. out of memory); one whose cancel was asked ends cancelled. Jobs that
+        ``evalsvc run`` is recording (trigger cli) are its own: they are left alone."""
+        limit = self.settings.runner_max_attempts
+        now = utcnow()
         with self.store.session() as s:
-            for run in s.scalars(select(Run).where(Run.status == "running")):
+            ours = select(Job.id).where(Job.trigger != "cli")
+            for run in s.scalars(select(Run).where(Run.status == "running",
+                                                   Run.job_id.in_(ours))):
                 if run.engine_pid:
                     kill_engine_group(run.engine_pid)
                 run.status, run.engine_pid = "pending", None
-            for job in s.scalars(select(Job).where(Job.status == "running")):
-                job.status = "queued"
-                log.info("job %s resumes after a restart", job.id)
+            for job in s.scalars(select(Job).where(Job.status == "running",
+                                                   Job.trigger != "cli")):
+                if job.cancel_requested_at is not None:
+                    job.status, job.finished_at = "cancelled", now
+                    log.info("job %s cancelled (asked before the restart)", job.id)
+                elif job.attempts >= limit:
+                    job.status, job.finished_at = "failed", now
+                    job.error = (f"the service stopped while running this job {job.attempts} "
+                                 "times (killed or crashed, e.g. out of memory): not tried again "
+                                 f"(EVALSVC_RUNNER_MAX_ATTEMPTS={limit})")
+                    log.error("job %s failed: %s", job.id, job.error)
+                else:
+                    job.status = "queued"
+                    log.info("job %s resumes after a restart", job.id)
+                    continue
+                self._count(job.status)
+                _cancel_pending(s, job.id)
 
     def queue_length(self) -> int:
         with self.store.session() as s:
@@ -253,55 +312,126 @@ class JobService:
 
     # ---- the runner ------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Takes up jobs until stopped. Any error (the store unreachable, a full disk) is logged
+        and the loop goes on after a pause, longer while the error persists (up to 30 s)."""
+        pause = 0.0
         while not self._stop.is_set():
-            job_id = self._next_job()
-            if job_id is None:
-                self._wake.wait(1.0)
-                self._wake.clear()
-                continue
-            with log_context(job=job_id):
-                try:
-                    status, error = self._execute(job_id)
-                except Exception as exc:
-                    log.exception("job %s failed", job_id)
-                    status, error = "failed", f"{type(exc).__name__}: {exc}"
-            if self._stop.is_set() and status != "cancelled":
-                return  # shutting down: the job stays running and resumes after a restart
-            self._count(status)  # before the row: whoever sees the job finished sees it counted
-            with self.store.session() as s:
-                job = s.get(Job, job_id)
-                job.status, job.error, job.finished_at = status, error, utcnow()
-            with self._lock:
-                self._cancelled.discard(job_id)
-            log.info("job %s %s", job_id, status)
-            self._alert(job_id)
+            try:
+                if not self._step():
+                    return
+                pause = 0.0
+            except Exception:
+                pause = min(max(2 * pause, 1.0), 30.0)
+                log.exception("job runner: an error; trying again in %.0f s", pause)
+                self._stop.wait(pause)
+
+    def _step(self) -> bool:
+        """Take up the next job and run it to its end; False: the service is shutting down."""
+        job_id = self._next_job()
+        if job_id is None:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            return True
+        with log_context(job=job_id):
+            try:
+                status, error = self._execute(job_id)
+            except _Cancelled:
+                status, error = "cancelled", None
+            except Exception as exc:
+                log.exception("job %s failed", job_id)
+                status, error = "failed", describe(exc)
+                if self.dispatcher is not None:  # none of its runs goes on without it
+                    self.dispatcher.cancel_job(job_id)
+        if self._stop.is_set() and status != "cancelled" and not self._is_cancelled(job_id):
+            self._interrupted(job_id)
+            return False  # shutting down: the job stays running and resumes after a restart
+        self._finish(job_id, status, error)
+        self._alert(job_id)
+        return True
 
     def _next_job(self) -> str | None:
-        with self.store.session() as s:
-            job = s.scalars(select(Job).where(Job.status == "queued")
-                            .order_by(Job.priority.desc(), Job.created_at, Job.id).limit(1)).first()
-            if job is None:
-                return None
-            job.status = "running"
-            job.started_at = job.started_at or utcnow()
-            return job.id
+        """Take up the first queued job (priority, then age): one conditional update, so a job
+        cancelled meanwhile is not taken. Counts the attempt on the job."""
+        while not self._stop.is_set():
+            with self.store.session() as s:
+                job_id = s.scalar(select(Job.id).where(Job.status == "queued")
+                                  .order_by(Job.priority.desc(), Job.created_at, Job.id).limit(1))
+                if job_id is None:
+                    return None
+                taken = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
+                                  .values(status="running", attempts=Job.attempts + 1)).rowcount
+                if taken:
+                    s.execute(update(Job).where(Job.id == job_id, Job.started_at.is_(None))
+                              .values(started_at=utcnow()))
+                    return job_id
+        return None
+
+    def _finish(self, job_id: str, status: str, error: str | None) -> None:
+        """Write the job's end, trying again while the store refuses (until the service stops).
+        A job whose cancel was answered ``cancelling`` ends cancelled. Its runs not started are
+        cancelled; one still marked running ended unrecorded (the store refused it): an error."""
+        counted = False
+        pause = 1.0
+        while True:
+            try:
+                with self._lock:  # a cancel sees the job running and flags it, or sees it ended
+                    if job_id in self._cancelled:
+                        status, error = "cancelled", None
+                    if not counted:  # before the row: who sees the job finished sees it counted
+                        self._count(status)
+                        counted = True
+                    with self.store.session() as s:
+                        _end_leftovers(s, job_id, error)
+                        s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
+                                  .values(status=status, error=error, finished_at=utcnow()))
+                    self._cancelled.discard(job_id)
+                log.info("job %s %s", job_id, status)
+                return
+            except Exception:
+                if self._stop.is_set():
+                    log.exception("job %s: its end (%s) could not be written; it resumes after "
+                                  "the restart", job_id, status)
+                    return
+                log.exception("job %s: its end (%s) could not be written; trying again in %.0f s",
+                              job_id, status, pause)
+                self._stop.wait(pause)
+                pause = min(2 * pause, 30.0)
+
+    def _interrupted(self, job_id: str) -> None:
+        """A job left running by a clean shutdown: that attempt does not count against it."""
+        try:
+            with self.store.session() as s:
+                s.execute(update(Job).where(Job.id == job_id, Job.attempts > 0)
+                          .values(attempts=Job.attempts - 1))
+        except Exception:
+            log.exception("job %s: its attempt could not be given back", job_id)
+
+    def _check_cancelled(self, job_id: str) -> None:
+        if self._is_cancelled(job_id):
+            raise _Cancelled(job_id)
 
     def _execute(self, job_id: str) -> tuple[str, str | None]:
+        """Run a job's phases (workload, tokens, builds, plan, runs); the cancel flag is looked at
+        between them and in their loops (_Cancelled)."""
         with self.store.session() as s:
             spec = dict(s.get(Job, job_id).spec)
         matrix = MatrixFile.model_validate(spec["matrix"])
         from evalsvc.evaluate import tokenized
         from evalsvc.workloads import load_prompts, workload_version
 
+        self._check_cancelled(job_id)
         prompts = load_prompts(matrix.workload)
         version = workload_version(matrix.workload, prompts)
         base = EngineSpec(kind=spec["engine"], python=self.settings.engine_python
                           if spec["engine"] == "sglang" else None)
+        self._check_cancelled(job_id)
         by_model = tokenized(matrix, base, prompts)
         log_dir = self.settings.data_dir / "logs" / job_id
         tasks: list[tuple[int, RunTask, str]] = []
         for b in spec["builds"]:
+            self._check_cancelled(job_id)
             engine, ref, request = self._prepare_build(base, b)
+            self._check_cancelled(job_id)
             configs = expand(matrix, hardware="cpu" if engine.kind == "embedded" else "gpu",
                              workload_version=version,
                              sglang_version=engine.version if engine.kind == "sglang" else None)
@@ -311,36 +441,48 @@ class JobService:
                 job = s.get(Job, job_id)
                 build = ensure_build(s, ref)
                 for cfg in configs:
+                    self._check_cancelled(job_id)
                     run = plan_run(s, job, build, matrix.name, cfg)
                     if run.status == "pending":
                         tasks.append((run.id, RunTask.make(
                             job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
                             log_dir / f"build-{build.id}", build=request), cfg.name))
         futures: list[tuple[int, Future]] = []
-        for run_id, task, _name in tasks:
-            if self._is_cancelled(job_id):
-                break
-            futures.append((run_id, self.dispatcher.submit(
-                task, on_start=lambda rid=run_id: self._run_started(rid),
-                on_engine=lambda pid, rid=run_id: self._engine_up(rid, pid))))
-        for run_id, fut in futures:
-            try:
-                result = fut.result()
-            except CancelledError:  # never started: the service is shutting down
-                continue
-            if self._stop.is_set() and result.verdict == "cancelled":
-                with self.store.session() as s:  # shutting down: run again after the restart
-                    s.get(Run, run_id).status = "pending"
-                continue
-            self._record(job_id, run_id, result)
+        try:
+            for run_id, task, _name in tasks:
+                if self._is_cancelled(job_id):
+                    break
+                futures.append((run_id, self.dispatcher.submit(
+                    task, on_start=lambda rid=run_id: self._run_started(rid),
+                    on_engine=lambda pid, rid=run_id: self._engine_up(rid, pid))))
+            if self._is_cancelled(job_id):  # a cancel that came while its runs were handed over
+                self.dispatcher.cancel_job(job_id)
+            failures = []
+            for run_id, fut in futures:
+                try:
+                    result = fut.result()
+                except CancelledError:  # never started: the service is shutting down
+                    continue
+                except Exception as exc:  # e.g. its start could not be written
+                    log.exception("run %d failed", run_id)
+                    failures.append(self._fail_run(run_id, describe(exc)))
+                    continue
+                if self._stop.is_set() and result.verdict == "cancelled":
+                    with self.store.session() as s:  # shutting down: run again after the restart
+                        s.get(Run, run_id).status = "pending"
+                    continue
+                failure = self._record(job_id, run_id, result)
+                if failure:
+                    failures.append(failure)
+        except BaseException:
+            self.dispatcher.cancel_job(job_id)  # no run of it goes on without the job
+            raise
         if self._stop.is_set() and not self._is_cancelled(job_id):
             return "interrupted", None  # left running: it resumes after the restart
         if self._is_cancelled(job_id):
-            with self.store.session() as s:
-                for run in s.scalars(select(Run).where(Run.job_id == job_id,
-                                                       Run.status == "pending")):
-                    run.status = "cancelled"
             return "cancelled", None
+        if failures:
+            return "failed", "; ".join(failures)
         return "done", None
 
     def _prepare_build(self, base: EngineSpec, b: dict[str, Any]
@@ -380,16 +522,43 @@ class JobService:
         with self.store.session() as s:
             s.get(Run, run_id).engine_pid = pid
 
-    def _record(self, job_id: str, run_id: int, result) -> None:
-        path = write_samples_parquet(result, self.settings.results_dir() / job_id
-                                     / f"{run_id}.parquet")
+    def _record(self, job_id: str, run_id: int, result) -> str | None:
+        """Record a finished run and its verdicts. A write that fails (its samples file, the
+        store) fails the run instead, the error on the run where the store takes it; returns
+        that error, None when recorded."""
+        target = self.settings.results_dir() / job_id / f"{run_id}.parquet"
+        try:
+            path = write_samples_parquet(result, target)
+        except OSError as exc:  # a full disk, a file where a folder should be
+            return self._fail_run(run_id, f"its samples could not be written to {target}: "
+                                          f"{describe(exc)}")
+        try:
+            with self.store.session() as s:  # the run and its verdicts in one transaction
+                run = s.get(Run, run_id)
+                record_run(s, run.job, run.build, run.matrix, result, path)
+                verdicts = judge_run(s, run.id)
+                if run.job.spec.get("track"):
+                    track(s, run, verdicts)
+        except (SQLAlchemyError, OSError) as exc:
+            if path is not None:
+                path.unlink(missing_ok=True)
+            return self._fail_run(run_id, f"it could not be recorded in the store: "
+                                          f"{describe(exc)}")
         self.counters.run_seconds.append(result.seconds)
-        with self.store.session() as s:  # the run and its verdicts in one transaction
-            run = s.get(Run, run_id)
-            record_run(s, run.job, run.build, run.matrix, result, path)
-            verdicts = judge_run(s, run.id)
-            if run.job.spec.get("track"):
-                track(s, run, verdicts)
+        return None
+
+    def _fail_run(self, run_id: int, reason: str) -> str:
+        """Mark a run failed (verdict error) where the store takes it; returns the job's error."""
+        error = f"run {run_id}: {reason}"
+        log.error("%s", error)
+        try:
+            with self.store.session() as s:
+                run = s.get(Run, run_id)
+                run.status, run.verdict, run.reason = "done", "error", reason
+                run.engine_pid, run.finished_at = None, utcnow()
+        except Exception:
+            log.exception("run %d: its failure could not be written either", run_id)
+        return error
 
     def _alert(self, job_id: str) -> None:
         try:
@@ -408,6 +577,33 @@ class JobService:
 
     def _count(self, status: str) -> None:
         self.counters.outcomes[status] = self.counters.outcomes.get(status, 0) + 1
+
+
+class _Cancelled(Exception):
+    """Raised in a job's phases once its cancel was asked."""
+
+
+def describe(exc: BaseException) -> str:
+    """An error for a job, a run or a response: the driver's message for a database error (not the SQL)."""
+    orig = getattr(exc, "orig", None)
+    if isinstance(exc, DBAPIError) and orig is not None:
+        exc = orig
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def _cancel_pending(session, job_id: str) -> None:
+    """A job that ended without running them: its pending runs are cancelled."""
+    session.execute(update(Run).where(Run.job_id == job_id, Run.status == "pending")
+                    .values(status="cancelled", finished_at=utcnow()))
+
+
+def _end_leftovers(session, job_id: str, error: str | None) -> None:
+    """A job at its end: its pending runs are cancelled, and a run still marked running (its end
+    could not be written) is an error."""
+    _cancel_pending(session, job_id)
+    session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
+                    .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
+                            reason=f"it ended but could not be recorded: {error or 'unknown'}"))
 
 
 def _check_model(engine: str, key: str, path: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     nightly: bool = True  # run the nightly schedules inside the service
     alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
     public_url: str | None = None  # the dashboard's address, for links in alerts
+    # runner
+    # a job the runner took up this many times without finishing it (each time the service died
+    # while running it) is failed by the next start-up's recovery instead of tried again
+    runner_max_attempts: int = Field(3, ge=1)
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

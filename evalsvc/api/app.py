@@ -8,12 +8,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import OperationalError
 
 from evalsvc import __version__
 from evalsvc.api import routes
 from evalsvc.api.deps import Services
 from evalsvc.dashboard import mount_dashboard
+from evalsvc.jobs import describe
 from evalsvc.settings import Settings
+from evalsvc.store.lock import StoreLocked
 
 log = logging.getLogger("evalsvc.api")
 
@@ -23,7 +26,11 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        services = Services.start(settings, start_runner=start_runner)
+        try:
+            services = Services.start(settings, start_runner=start_runner)
+        except StoreLocked as exc:
+            log.error("error: %s", exc)
+            raise
         app.state.services = services
         try:
             yield
@@ -43,12 +50,23 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
                              for e in exc.errors())
         return JSONResponse({"detail": problems}, status_code=422)
 
-    @app.get("/healthz", tags=["service"])
-    def healthz() -> dict:
-        """Liveness: the service answers and its database is reachable."""
+    @app.exception_handler(OperationalError)
+    async def store_unavailable(request: Request, exc: OperationalError):
+        """The store refused (unreachable, full): a 503 naming the problem; nothing was stored."""
+        log.error("%s %s: the store: %s", request.method, request.url.path, describe(exc))
+        return JSONResponse({"detail": f"the store cannot be used now: {describe(exc)}"},
+                            status_code=503)
+
+    @app.get("/healthz", tags=["service"],
+             responses={503: {"description": "the store is unreachable or the runner stopped"}})
+    def healthz() -> JSONResponse:
+        """Liveness: the service answers, its database is reachable and its job runner runs."""
         services: Services = app.state.services
-        services.ping()
-        return {"status": "ok", "version": __version__}
+        problem = services.health()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "detail": problem,
+                                 "version": __version__}, status_code=503)
+        return JSONResponse({"status": "ok", "version": __version__})
 
     @app.get("/metrics", tags=["service"], response_class=Response)
     def metrics() -> Response:

@@ -13,13 +13,16 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from evalsvc.bisect import Bisector
 from evalsvc.dispatch import make_dispatcher
-from evalsvc.jobs import JobService
+from evalsvc.jobs import JobService, describe
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
+from evalsvc.store.lock import StoreLock
 
 log = logging.getLogger("evalsvc.api")
 DURATION_BUCKETS = (5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
@@ -35,20 +38,37 @@ class Services:
 
     @classmethod
     def start(cls, settings: Settings, start_runner: bool = True) -> Services:
-        store = Store(settings.resolved_database_url())  # migrates to head
+        """Open the store and start the runner. With the runner: the store's lock first
+        (StoreLocked if another service runs on it), before anything is migrated or recovered."""
+        lock = None
+        if start_runner:
+            lock = StoreLock(settings.resolved_database_url())
+            lock.acquire()
+        try:
+            store = Store(settings.resolved_database_url())  # migrates to head
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        services = None
         try:
             jobs = JobService(settings, store, make_dispatcher(settings))
-        except BaseException:
-            store.close()
-            raise
-        services = cls(settings, store, jobs, Bisector(store, jobs))
-        if start_runner:
-            jobs.start()
-            services.bisector.resume()
-            if settings.nightly:
-                from evalsvc.nightly import NightlyScheduler
+            services = cls(settings, store, jobs, Bisector(store, jobs))
+            if start_runner:
+                jobs.start(lock)  # the lock is the runner's now: jobs.stop() releases it
+                services.bisector.resume()
+                if settings.nightly:
+                    from evalsvc.nightly import NightlyScheduler
 
-                services.nightly = NightlyScheduler.start(settings, jobs, store)
+                    services.nightly = NightlyScheduler.start(settings, jobs, store)
+        except BaseException:
+            if services is not None:
+                services.stop()
+            else:
+                store.close()
+            if lock is not None:
+                lock.release()
+            raise
         return services
 
     def stop(self) -> None:
@@ -61,6 +81,18 @@ class Services:
     def ping(self) -> None:
         with self.store.session() as s:
             s.execute(text("SELECT 1"))
+
+    def health(self) -> str | None:
+        """What keeps the service from working (the store unreachable, the runner stopped);
+        None when healthy."""
+        try:
+            self.ping()
+        except (SQLAlchemyError, OSError) as exc:
+            return f"the store {self.store_shown()} is unreachable: {describe(exc)}"
+        return self.jobs.runner_problem()
+
+    def store_shown(self) -> str:
+        return make_url(self.store.url).render_as_string(hide_password=True)
 
     def render_metrics(self) -> bytes:
         registry = CollectorRegistry()

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -95,6 +96,9 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     error: Mapped[str | None] = mapped_column(Text)
+    # times the runner took the job up: a job found running after as many restarts is failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # while running
     runs: Mapped[list[Run]] = relationship(back_populates="job")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Column, Integer, MetaData, Table, inspect
+from sqlalchemy import Column, Integer, MetaData, Table, inspect, text
 from typer.testing import CliRunner
 
 from evalsvc.cli import app
@@ -39,7 +39,7 @@ def test_upgrade_to_head_and_downgrade_to_base(db_url, engines):
     assert current(db_url) is None
     assert tables(db_url, engines) == set()
     upgrade(db_url)
-    assert current(db_url) == head(db_url) == "0003"
+    assert current(db_url) == head(db_url) == "0004"
     assert tables(db_url, engines) == MODEL_TABLES
     upgrade(db_url)  # at head already: nothing to do
     assert current(db_url) == head(db_url)
@@ -114,3 +114,21 @@ def test_upgrade_to_a_named_revision(db_url):
     assert current(db_url) == "0001"
     downgrade(db_url, "base")
     assert current(db_url) is None
+
+
+def test_0004_counts_attempts_from_zero_on_existing_jobs(db_url, engines):
+    """Jobs stored before 0004 get attempts 0 and no cancel asked; down again, they stay."""
+    upgrade(db_url, "0003")
+    engine = make_engine(db_url)
+    engines.append(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO jobs (id, trigger, status, priority, spec, created_at) "
+                          "VALUES ('old', 'api', 'running', 0, '{}', CURRENT_TIMESTAMP)"))
+    upgrade(db_url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT id, attempts, cancel_requested_at FROM jobs")).all() == [
+            ("old", 0, None)]
+    downgrade(db_url, "0003")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT id, status FROM jobs")).all() == [("old", "running")]
+    engine.dispose()
