@@ -13,6 +13,7 @@ import logging
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,13 @@ from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
-from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
+from evalsvc.scenarios import (
+    SCENARIO_RUNNERS,
+    Context,
+    EngineClient,
+    Sample,
+    ScenarioError,
+)
 from evalsvc.types import RunResult, ScenarioResult, TopLogprobs
 
 log = logging.getLogger("evalsvc.harness")
@@ -66,11 +73,80 @@ class RunControl:
                 self.proc.stop(grace=5)
 
 
+def run_timeout(matrix: MatrixFile, default: float | None = None) -> float:
+    """A run's deadline in seconds: the matrix's ``run_timeout_s``, else ``default``, else the
+    service setting (``EVALSVC_RUN_TIMEOUT_S``)."""
+    if matrix.run_timeout_s is not None:
+        return matrix.run_timeout_s
+    if default is not None:
+        return default
+    from evalsvc.settings import Settings
+
+    return Settings().run_timeout_s
+
+
+class Watchdog:
+    """The run's deadline: when it passes, the engine's process group is killed (SIGKILL, which a
+    stopped process obeys too), so whatever waits on the engine fails at once."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+        self.proc: EngineProcess | None = None
+        self.client: EngineClient | None = None
+        self.reason: str | None = None  # set when the deadline passed
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def engine(self, proc: EngineProcess) -> None:
+        with self._lock:
+            self.proc = proc
+            if self.reason is not None:
+                proc.kill()
+
+    def _expire(self) -> None:
+        with self._lock:
+            proc = self.proc
+            deadline = f"the run's deadline of {self.seconds:g} s (run_timeout_s) passed"
+            if proc is None or proc.startup_seconds is None:
+                self.reason = f"{deadline}: the engine did not start in time"
+            elif self.client is not None:
+                silent = time.monotonic() - self.client.last_answer
+                self.reason = f"{deadline}: the engine did not answer in {silent:.0f} s"
+            else:
+                self.reason = f"{deadline}: the engine did not answer"
+            if proc is not None:
+                if proc.stopped():
+                    self.reason += " (its process was stopped)"
+                proc.kill()
+        log.error("%s; the engine was killed", self.reason)
+
+
+def hung_state(proc: EngineProcess) -> str:
+    """Kills an engine that did not answer a request in time (it hangs: nothing more can run on
+    it); what its state was, for the reason."""
+    state = " (its process was stopped)" if proc.stopped() else ""
+    proc.kill()
+    return f"{state}; the engine was killed"
+
+
 def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
                prompts: list[tuple[str, list[int]]], log_dir: Path | None = None,
                reference: EngineClient | None = None, on_scenario=None,
-               control: RunControl | None = None) -> RunResult:
-    """Run every scenario of one config on a fresh engine."""
+               control: RunControl | None = None, run_timeout_s: float | None = None) -> RunResult:
+    """Run every scenario of one config on a fresh engine, within the run's deadline
+    (``run_timeout``: engine start-up included)."""
     t0 = time.monotonic()
     result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
                        dict(config.args), verdict="error")
@@ -78,58 +154,38 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
     result.log_path = str(log_path) if log_path else None
     proc: EngineProcess | None = None
     client: EngineClient | None = None
+    watchdog = Watchdog(run_timeout(matrix, run_timeout_s))
+
+    def spawned(p: EngineProcess) -> None:
+        watchdog.engine(p)
+        if control is not None:
+            control.engine_started(p)
+
     try:
-        proc = start_engine(config, spec, log_path,
-                            on_spawn=control.engine_started if control is not None else None)
-        result.command = proc.argv
-        result.startup_seconds = proc.startup_seconds
-        draft = config.args.get("speculative_num_draft_tokens")
-        client = EngineClient(proc.base_url, draft_tokens=draft)
-        resolved = parse_server_info(client.server_info())
-        result.resolved_args = {k: v for k, v in resolved.items() if not isinstance(v, dict | list)}
-        problems = resolved_mismatches(config.args, resolved)
-        if problems:
-            result.verdict, result.reason = "invalid", "; ".join(problems)
-            log.warning("run %s invalid: %s", config.name, result.reason)
-            return result
-        ctx = Context(client=client, reference=reference or client, prompts=prompts,
-                      max_new_tokens=matrix.workload.max_new_tokens,
-                      temperature=matrix.workload.temperature,
-                      seed=(matrix.workload.seed if matrix.workload.sampling_seed is None
-                            else matrix.workload.sampling_seed),
-                      track_interval=int(resolved.get("mamba_track_interval") or 256),
-                      max_total_tokens=resolved.get("max_total_tokens")
-                      or resolved.get("max_total_num_tokens"))
-        for name in config.scenarios:
-            if control is not None and control.cancelled:
-                break
-            scen = run_scenario(name, ctx, config, matrix, resolved)
-            died = scen.verdict == "error" and exited(proc)
-            if died:  # say so in this scenario's reason too, not only in the ones it skips
-                reason = f"the engine exited with code {proc.proc.poll()}{proc._tail()}"
-                scen.reason = f"{scen.reason}; {reason}"
-            result.scenarios.append(scen)
-            if on_scenario is not None:
-                on_scenario(config, scen)
-            if died:
-                for rest in config.scenarios[len(result.scenarios):]:
-                    result.scenarios.append(ScenarioResult(rest, "error", reason))
-                break
-        if control is not None and control.cancelled:
-            result.verdict, result.reason = "cancelled", "the job was cancelled"
-            return result
-        result.verdict = worst([s.verdict for s in result.scenarios])
-        if result.verdict != "pass":  # the first scenario that decided it, named
-            s = next(s for s in result.scenarios if s.verdict == result.verdict)
-            result.reason = f"{s.scenario}: {s.reason}"
+        with watchdog:
+            # the deadline bounds start-up too (the watchdog ends it, a moment before this would)
+            proc = start_engine(config, replace(spec, startup_timeout=min(
+                spec.startup_timeout, watchdog.left() + 5)), log_path, on_spawn=spawned)
+            result.command = proc.argv
+            result.startup_seconds = proc.startup_seconds
+            draft = config.args.get("speculative_num_draft_tokens")
+            client = watchdog.client = EngineClient(proc.base_url, draft_tokens=draft)
+            _drive(result, proc, client, config, matrix, prompts, reference, on_scenario, control,
+                   watchdog)
     except EngineStartError as exc:
         if control is not None and control.cancelled:
             result.verdict, result.reason = "cancelled", "the job was cancelled"
-            return result
-        result.reason = f"engine did not start: {exc}"
-        log.error("run %s: %s", config.name, result.reason)
+        elif watchdog.reason is not None:
+            result.reason = f"engine did not start: {watchdog.reason}"
+        else:
+            result.reason = f"engine did not start: {exc}"
+        if result.verdict != "cancelled":
+            log.error("run %s: %s", config.name, result.reason)
     except Exception as exc:
-        result.reason = f"{type(exc).__name__}: {exc}"
+        if watchdog.reason is not None:
+            result.verdict, result.reason = "error", watchdog.reason
+        else:
+            result.reason = f"{type(exc).__name__}: {exc}"
         log.exception("run %s failed", config.name)
     finally:
         if client is not None:
@@ -138,6 +194,60 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
             proc.stop()
         result.seconds = time.monotonic() - t0
     return result
+
+
+def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config: Config,
+           matrix: MatrixFile, prompts: list[tuple[str, list[int]]],
+           reference: EngineClient | None, on_scenario, control: RunControl | None,
+           watchdog: Watchdog) -> None:
+    """The scenarios of a run on its started engine; fills ``result``."""
+    resolved = parse_server_info(client.server_info())
+    result.resolved_args = {k: v for k, v in resolved.items() if not isinstance(v, dict | list)}
+    problems = resolved_mismatches(config.args, resolved)
+    if problems:
+        result.verdict, result.reason = "invalid", "; ".join(problems)
+        log.warning("run %s invalid: %s", config.name, result.reason)
+        return
+    ctx = Context(client=client, reference=reference or client, prompts=prompts,
+                  max_new_tokens=matrix.workload.max_new_tokens,
+                  temperature=matrix.workload.temperature,
+                  seed=(matrix.workload.seed if matrix.workload.sampling_seed is None
+                        else matrix.workload.sampling_seed),
+                  track_interval=int(resolved.get("mamba_track_interval") or 256),
+                  max_total_tokens=resolved.get("max_total_tokens")
+                  or resolved.get("max_total_num_tokens"))
+    for name in config.scenarios:
+        if control is not None and control.cancelled:
+            break
+        scen = run_scenario(name, ctx, config, matrix, resolved)
+        reason = None
+        if scen.verdict == "error":
+            if watchdog.reason is not None:  # the deadline passed: the engine was killed
+                reason = watchdog.reason
+                scen.reason = f"{scen.reason}; {reason}"
+            elif client.timed_out is not None:  # a hung engine: killed, nothing more to run
+                state = hung_state(proc)
+                reason = f"{client.timed_out}{state}"
+                scen.reason = (f"{scen.reason}{state}" if str(client.timed_out) in scen.reason
+                               else f"{scen.reason}; {reason}")
+            elif exited(proc):
+                reason = f"the engine exited with code {proc.proc.poll()}{proc._tail()}"
+                # say so in this scenario's reason too, not only in the ones it skips
+                scen.reason = f"{scen.reason}; {reason}"
+        result.scenarios.append(scen)
+        if on_scenario is not None:
+            on_scenario(config, scen)
+        if reason is not None:
+            for rest in config.scenarios[len(result.scenarios):]:
+                result.scenarios.append(ScenarioResult(rest, "error", reason))
+            break
+    if control is not None and control.cancelled:
+        result.verdict, result.reason = "cancelled", "the job was cancelled"
+        return
+    result.verdict = worst([s.verdict for s in result.scenarios])
+    if result.verdict != "pass":  # the first scenario that decided it, named
+        s = next(s for s in result.scenarios if s.verdict == result.verdict)
+        result.reason = f"{s.scenario}: {s.reason}"
 
 
 def exited(proc: EngineProcess, wait: float = 0.5) -> bool:

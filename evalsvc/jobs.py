@@ -446,7 +446,8 @@ class JobService:
                     if run.status == "pending":
                         tasks.append((run.id, RunTask.make(
                             job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
-                            log_dir / f"build-{build.id}", build=request), cfg.name))
+                            log_dir / f"build-{build.id}", build=request,
+                            run_timeout_s=self.settings.run_timeout_s), cfg.name))
         futures: list[tuple[int, Future]] = []
         try:
             for run_id, task, _name in tasks:

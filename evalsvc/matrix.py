@@ -134,6 +134,8 @@ class MatrixFile(Strict):
     scenarios: list[Literal[SCENARIOS]] = Field(default_factory=lambda: list(SCENARIOS))
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
     thresholds: Thresholds = Field(default_factory=Thresholds)
+    # each run's deadline in seconds, engine start-up included (default: EVALSVC_RUN_TIMEOUT_S)
+    run_timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
 
     @field_validator("axes")
     @classmethod

@@ -38,10 +38,40 @@ from evalsvc.types import Completion, TopLogprobs
 
 TOP_K = 5
 MAX_CONCURRENCY = 16
+# How long a request may take, sized to the work in flight with it: a base, plus an allowance per
+# prompt token and per token to generate of the requests that share the engine (the embedded CPU
+# engine, measured on two loaded cores: about 1 ms a prompt token and 30 ms a decode step; a smoke
+# scenario's batch gets about two minutes, tens of times what it needs)
+REQUEST_BASE_S = 30.0
+PROMPT_TOKEN_S = 0.02
+NEW_TOKEN_S = 0.25
+CONTROL_TIMEOUT_S = 30.0  # /flush_cache, /server_info: no model work
 
 
 class ScenarioError(RuntimeError):
     """A scenario could not run (the server refused a request, or answered nonsense)."""
+
+
+class EngineTimeout(ScenarioError):
+    """The engine did not answer a request in the time its work allows: it hangs (or is stopped)."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        self.seconds = seconds
+        super().__init__(f"the engine did not answer {what} in {seconds:.0f} s")
+
+
+def work_seconds(payloads: list[dict]) -> float:
+    """The time allowed for a request among ``payloads`` sent together (at most MAX_CONCURRENCY of
+    them in flight at once): the base plus the allowance for the largest of them."""
+    def cost(p: dict) -> float:
+        sp = p.get("sampling_params")
+        new = sp.get("max_new_tokens", 128) if isinstance(sp, dict) else 128
+        prompt = p.get("input_ids")
+        n = len(prompt) if isinstance(prompt, list) else len(str(p.get("text", "")))
+        return PROMPT_TOKEN_S * n + NEW_TOKEN_S * int(new)
+
+    costs = sorted((cost(p) for p in payloads), reverse=True)[:MAX_CONCURRENCY]
+    return REQUEST_BASE_S + sum(costs)
 
 
 @dataclass
@@ -59,15 +89,33 @@ class Sample:
 class EngineClient:
     """Blocking HTTP calls to one engine server (SGLang's native API)."""
 
-    def __init__(self, base_url: str, timeout: float = 600.0, draft_tokens: int | None = None):
+    def __init__(self, base_url: str, timeout: float = CONTROL_TIMEOUT_S,
+                 draft_tokens: int | None = None):
+        """``timeout``: of the requests without model work; a ``/generate`` gets the time its
+        work allows (``work_seconds``)."""
         self.http = httpx.Client(base_url=base_url, timeout=timeout)
+        self.timeout = timeout
         self.draft_tokens = draft_tokens
+        self.last_answer = time.monotonic()  # when the engine last answered a request
+        self.timed_out: EngineTimeout | None = None  # the first request it did not answer in time
 
     def close(self) -> None:
         self.http.close()
 
-    def generate(self, payload: dict) -> Completion:
-        resp = self.http.post("/generate", json=payload)
+    def _send(self, method: str, path: str, seconds: float, **kw) -> httpx.Response:
+        try:
+            resp = self.http.request(method, path, timeout=seconds, **kw)
+        except httpx.TimeoutException:
+            exc = EngineTimeout(path, seconds)
+            if self.timed_out is None:
+                self.timed_out = exc
+            raise exc from None
+        self.last_answer = time.monotonic()
+        return resp
+
+    def generate(self, payload: dict, seconds: float | None = None) -> Completion:
+        resp = self._send("POST", "/generate",
+                          work_seconds([payload]) if seconds is None else seconds, json=payload)
         if resp.status_code != 200:
             raise ScenarioError(f"/generate answered {resp.status_code}: {resp.text[:300]}")
         try:
@@ -78,14 +126,15 @@ class EngineClient:
     def generate_many(self, payloads: list[dict]) -> list[Completion]:
         if not payloads:
             return []
+        seconds = work_seconds(payloads)
         with ThreadPoolExecutor(min(MAX_CONCURRENCY, len(payloads))) as pool:
-            return list(pool.map(self.generate, payloads))
+            return list(pool.map(lambda p: self.generate(p, seconds), payloads))
 
     def flush(self, timeout: float = 30.0) -> None:
         """Flush the cache; retried while the server still winds down earlier requests."""
         deadline = time.monotonic() + timeout
         while True:
-            resp = self.http.post("/flush_cache")
+            resp = self._send("POST", "/flush_cache", self.timeout)
             if resp.status_code == 200:
                 return
             if time.monotonic() > deadline:
@@ -94,7 +143,7 @@ class EngineClient:
 
     def server_info(self) -> dict:
         for path in ("/server_info", "/get_server_info"):
-            resp = self.http.get(path)
+            resp = self._send("GET", path, self.timeout)
             if resp.status_code == 200:
                 return resp.json()
         raise ScenarioError(f"/server_info answered {resp.status_code}")

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     # a job the runner took up this many times without finishing it (each time the service died
     # while running it) is failed by the next start-up's recovery instead of tried again
     runner_max_attempts: int = Field(3, ge=1)
+    # engines
+    # a run's deadline in seconds, engine start-up included, for matrices without run_timeout_s:
+    # past it the run is an error and its engine is killed (the smoke matrix's runs take minutes)
+    run_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

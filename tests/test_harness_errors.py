@@ -12,10 +12,13 @@ import contextlib
 import io
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +30,7 @@ from rich.console import Console
 from evalsvc import harness
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.paths import MODELS_DIR
+from evalsvc.engines.launch import EngineProcess
 from evalsvc.evaluate import evaluate, prepare
 from evalsvc.harness import RunResult, run_config
 from evalsvc.matrix import Config, MatrixError, MatrixFile, expand, load_matrix
@@ -229,6 +233,25 @@ def test_missing_model_path_in_run_config_and_cli(tmp_path, no_engine_left_behin
     assert not wait_no_engines(no_engine_left_behind)
 
 
+@pytest.mark.slow
+def test_model_without_its_weights_fails_at_once_naming_the_file(tmp_path, no_engine_left_behind):
+    """The engine exits as soon as it cannot load the model (as SGLang's launcher does), so the run
+    is an error within seconds, not after the start-up deadline."""
+    model = tmp_path / "no-weights"
+    shutil.copytree(MODELS_DIR / "hybrid-mamba2-tiny", model,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    matrix, configs = load(tmp_path / "m.yaml", {
+        **EMBEDDED, "models": {"m": {"path": str(model)}}, "include": [{"strategy": "auto"}]})
+    t0 = time.monotonic()
+    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path)
+    assert time.monotonic() - t0 < 20
+    assert r.verdict == "error"
+    assert r.reason.startswith("engine did not start: engine exited with code 1 during start-up")
+    assert f"{model / 'model.safetensors'}: no such file" in r.reason  # the engine's log tail
+    assert r.scenarios == []
+    assert not wait_no_engines(no_engine_left_behind)
+
+
 # ---- 4. engines that die or answer garbage (the fake SGLang server) --------------------------------
 
 @pytest.fixture()
@@ -310,6 +333,105 @@ def test_evaluation_goes_on_after_an_engine_dies(tmp_path):
     assert_gone(fake_pids(tmp_path))
     logs = sorted(p.name for p in (tmp_path / "out" / "logs").iterdir())
     assert logs == ["m-eb-ov.log", "m-nb-sync.log"]
+
+
+# ---- 4b. engines that hang: the run's deadline ----------------------------------------------------
+
+def stop_when_busy(proc: EngineProcess, stopped: threading.Event) -> None:
+    """SIGSTOPs the engine's process group as soon as it runs a request of the run (once it is
+    up: not its warm-up or health checks), that is mid-scenario."""
+    import httpx
+
+    def watch() -> None:
+        while proc.alive() and proc.startup_seconds is None:
+            time.sleep(0.02)
+        with httpx.Client(base_url=proc.base_url, timeout=5) as client:
+            while proc.alive():
+                with contextlib.suppress(httpx.HTTPError):
+                    text = client.get("/metrics").text
+                    if any(line.startswith("sglang:num_running_reqs") and float(line.split()[-1]) > 0
+                           for line in text.splitlines()):
+                        os.killpg(proc.proc.pid, signal.SIGSTOP)
+                        stopped.set()
+                        return
+                time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+@pytest.mark.slow
+def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path,
+                                                                      no_engine_left_behind):
+    """A SIGSTOPped engine answers nothing: the run ends ``error`` at its deadline (not after the
+    per-request timeout), says the engine did not answer and was stopped, and its group is killed."""
+    deadline = 60
+    matrix, configs = load(tmp_path / "m.yaml", {
+        **EMBEDDED, "run_timeout_s": deadline, "scenarios": ["cold", "prefill_hit"],
+        "workload": {"num_prompts": 3, "max_new_tokens": 64}, "include": [{"strategy": "auto"}]})
+    stopped, pids = threading.Event(), []
+    control = harness.RunControl(
+        on_engine=lambda proc: (pids.append(proc.proc.pid), stop_when_busy(proc, stopped)))
+    t0 = time.monotonic()
+    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
+                   control=control)
+    elapsed = time.monotonic() - t0
+    assert stopped.is_set(), r.reason  # it was stopped while it ran a request
+    assert r.verdict == "error"
+    assert elapsed < deadline + 20
+    assert r.reason.startswith("cold: ") and f"the run's deadline of {deadline} s" in r.reason
+    assert "the engine did not answer in" in r.reason
+    assert "(its process was stopped)" in r.reason
+    assert [(s.scenario, s.verdict) for s in r.scenarios] == [("cold", "error"),
+                                                              ("prefill_hit", "error")]
+    assert_gone(pids)
+    assert not wait_no_engines(no_engine_left_behind)
+
+
+@pytest.mark.slow
+def test_engine_stopped_at_start_is_an_error_at_the_deadline(tmp_path, no_engine_left_behind):
+    """The deadline bounds start-up too: an engine stopped before it serves is not waited on for
+    the whole start-up timeout."""
+    matrix, configs = load(tmp_path / "m.yaml", {**EMBEDDED, "run_timeout_s": 5,
+                                                 "include": [{"strategy": "auto"}]})
+    pids = []
+
+    def freeze(proc: EngineProcess) -> None:
+        pids.append(proc.proc.pid)
+        os.killpg(proc.proc.pid, signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path,
+                   control=harness.RunControl(on_engine=freeze))
+    assert time.monotonic() - t0 < 5 + 15
+    assert r.verdict == "error"
+    assert r.reason == ("engine did not start: the run's deadline of 5 s (run_timeout_s) passed: "
+                        "the engine did not start in time (its process was stopped)")
+    assert r.scenarios == []
+    assert_gone(pids)
+
+
+@pytest.mark.slow
+def test_request_timeouts_are_sized_to_the_work(tmp_path, no_engine_left_behind):
+    """A stopped engine under the default deadline: the request it does not answer times out after
+    the time its work allows (far below the old 600 s), and the run says so."""
+    from evalsvc.scenarios import work_seconds
+
+    matrix, configs = load(tmp_path / "m.yaml", {**EMBEDDED, "include": [{"strategy": "auto"}]})
+    frozen, pids = threading.Event(), []
+    control = harness.RunControl(
+        on_engine=lambda proc: (pids.append(proc.proc.pid), stop_when_busy(proc, frozen)))
+    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
+                   control=control, run_timeout_s=1800)
+    allowed = work_seconds([{"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}
+                            for _, ids in PROMPTS])
+    assert frozen.is_set(), r.reason
+    assert allowed < 60
+    assert r.verdict == "error"
+    assert r.reason == (f"cold: EngineTimeout: the engine did not answer /generate in "
+                        f"{allowed:.0f} s (its process was stopped); the engine was killed")
+    assert [(s.scenario, s.verdict) for s in r.scenarios] == [("cold", "error")]
+    assert r.seconds < 1800
+    assert_gone(pids)
 
 
 # ---- 5. a port taken by someone else -------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from evalsvc.builds.build import BuildError, installed_version, make_build
 from evalsvc.engines.base import EngineSpec
-from evalsvc.harness import RunControl, run_config
+from evalsvc.harness import RunControl, run_config, run_timeout
 from evalsvc.logs import log_context
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.types import RunResult
@@ -39,13 +39,19 @@ class RunTask:
     # the SGLang build the run executes (a build request, see below); None: the engine spec as is
     build: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the run's deadline in seconds, engine start-up included (``harness.run_timeout``): decided
+    # where the run is planned, so a worker's own settings do not change it; None: decided there
+    run_timeout_s: float | None = None
 
     @classmethod
     def make(cls, job_id: str, run_id: int, matrix: MatrixFile, config: Config, spec: EngineSpec,
              prompts: list[tuple[str, list[int]]], log_dir: Path,
-             build: dict[str, Any] | None = None) -> RunTask:
+             build: dict[str, Any] | None = None,
+             run_timeout_s: float | None = None) -> RunTask:
+        """``run_timeout_s``: the service's default deadline (the matrix's own wins)."""
         return cls(job_id, run_id, matrix.model_dump(mode="json"), asdict(config), asdict(spec),
-                   [(pid, list(ids)) for pid, ids in prompts], str(log_dir), build)
+                   [(pid, list(ids)) for pid, ids in prompts], str(log_dir), build,
+                   run_timeout_s=run_timeout(matrix, run_timeout_s))
 
     def outcome(self, verdict: str, reason: str) -> RunResult:
         """The result of a run that did not get to its engine (cancelled, or an error)."""
@@ -69,7 +75,8 @@ def execute(task: RunTask, control: RunControl | None = None) -> RunResult:
                 log.error("run %s: %s", task.run_id, exc)
                 return task.outcome("error", f"engine build: {exc}")
         return run_config(config, matrix, spec, [(p, list(ids)) for p, ids in task.prompts],
-                          log_dir=Path(task.log_dir), control=control)
+                          log_dir=Path(task.log_dir), control=control,
+                          run_timeout_s=task.run_timeout_s)
 
 
 # A build request, as the service sends it with each run: ``{"source": SOURCE, "patches": [...],

@@ -55,6 +55,22 @@ def clean_env(extra: dict[str, str] | None = None, unset: Sequence[str] = ()) ->
     return env
 
 
+def group_states(pgid: int) -> dict[int, str]:
+    """pid -> state letter (``/proc/PID/stat``: R, S, T for stopped, Z, ...) of each process in
+    the process group ``pgid``."""
+    states = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            states[int(entry.name)] = fields[0]
+    return states
+
+
 class EngineProcess:
     """A running engine server. Use as a context manager; ``stop`` is idempotent."""
 
@@ -113,25 +129,42 @@ class EngineProcess:
                         self.startup_seconds = time.monotonic() - self._t0
                         return
                 if time.monotonic() > deadline:
+                    stopped = " (its process is stopped)" if self.stopped() else ""
                     raise EngineStartError(f"engine not healthy after {self.startup_timeout:.0f} s"
-                                           f"{self._tail()}")
+                                           f"{stopped}{self._tail()}")
                 time.sleep(0.1)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def stopped(self) -> bool:
+        """Whether a process of the engine's group is stopped (SIGSTOP, SIGTSTP, a debugger): it
+        answers nothing, and acts on no signal but SIGKILL until it is continued."""
+        return self.proc is not None and any(
+            state in "Tt" for state in group_states(self.proc.pid).values())
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (works on stopped processes too); ``stop``
+        reaps it."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
     def stop(self, grace: float = 10.0) -> int | None:
-        """SIGTERM the process group, then SIGKILL what is left after ``grace`` seconds."""
+        """SIGTERM the process group, then SIGKILL what is left after ``grace`` seconds. A group
+        with a stopped process is SIGKILLed at once: SIGTERM stays pending on a stopped process."""
         proc = self.proc
         if proc is None:
             return None
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            if self.stopped():
+                self.kill()
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group, if any
+        self.kill()  # stragglers in the group, if any
         proc.wait()
         if self._log is not None:
             self._log.close()

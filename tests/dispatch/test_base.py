@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,10 @@ import pytest
 from evalsvc.builds.build import BuildError, make_build, parse_source, resolve_commit
 from evalsvc.dispatch.base import RunTask, build_request, engine_for, execute, prepare_build
 from evalsvc.engines.base import EngineSpec
+from evalsvc.harness import RunControl
 from evalsvc.matrix import MatrixFile, expand
 from tests.builds.test_build import git
+from tests.processes import assert_gone
 
 FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
 
@@ -136,3 +139,47 @@ def test_a_full_sha_is_resolved_without_fetching(remote, machine):
     git(remote, "commit", "-qam", "third")
     third = git(remote, "rev-parse", "HEAD")
     assert make_build(f"git:{remote}@{third}").manifest["commit"] == third
+
+
+def test_a_run_carries_its_deadline(monkeypatch, tmp_path):
+    """Decided where the run is planned: the matrix's run_timeout_s, else the service's setting."""
+    body = {"name": "fake", "engine": "sglang", "models": {"m": {"path": "/models/m"}},
+            "include": [{"strategy": "extra_buffer", "overlap": True}], "scenarios": ["cold"]}
+    own = MatrixFile.model_validate({**body, "run_timeout_s": 90})
+    plain = MatrixFile.model_validate(body)
+    spec = EngineSpec(kind="sglang", python=FAKE_PYTHON)
+
+    def make(matrix: MatrixFile, **kw) -> RunTask:
+        return RunTask.make("job-1", 7, matrix, expand(matrix, hardware="gpu")[0], spec,
+                            [("p0", [1, 2, 3])], tmp_path, **kw)
+
+    monkeypatch.delenv("EVALSVC_RUN_TIMEOUT_S", raising=False)
+    assert make(own, run_timeout_s=300).run_timeout_s == 90
+    assert make(plain, run_timeout_s=300).run_timeout_s == 300
+    assert make(plain).run_timeout_s == 1800
+    monkeypatch.setenv("EVALSVC_RUN_TIMEOUT_S", "42")
+    assert make(plain).run_timeout_s == 42
+    with pytest.raises(ValueError, match="run_timeout_s"):
+        MatrixFile.model_validate({**body, "run_timeout_s": 0})
+
+
+def test_execute_ends_a_run_at_its_deadline(machine, tmp_path):
+    """An engine that never becomes ready: the run is an error at its deadline, not after the
+    engine's start-up timeout, and its process is gone."""
+    machine("worker")
+    matrix = MatrixFile.model_validate({
+        "name": "fake", "engine": "sglang", "models": {"m": {"path": "/models/m"}},
+        "include": [{"strategy": "extra_buffer", "overlap": True}], "scenarios": ["cold"]})
+    spec = EngineSpec(kind="sglang", python=FAKE_PYTHON, startup_timeout=120, env={
+        "FAKE_SGLANG_MODE": "slow_start", "FAKE_SGLANG_START_SECONDS": "120"})
+    task = RunTask.make("job-1", 7, matrix, expand(matrix, hardware="gpu")[0], spec,
+                        [("p0", [1, 2, 3])], tmp_path / "logs", run_timeout_s=3)
+    pids = []
+    control = RunControl(on_engine=lambda proc: pids.append(proc.proc.pid))
+    t0 = time.monotonic()
+    result = execute(task, control)
+    assert time.monotonic() - t0 < 3 + 15
+    assert result.verdict == "error"
+    assert result.reason == ("engine did not start: the run's deadline of 3 s (run_timeout_s) "
+                             "passed: the engine did not start in time")
+    assert_gone(pids)

@@ -23,7 +23,16 @@ def main(argv: list[str]) -> int:
 
     import uvicorn
 
-    from .server import create_app
+    try:
+        from .server import create_app
+    except ImportError as exc:  # torch, when the engine extra is not installed
+        from .deps import missing_dependency
+
+        message = missing_dependency(exc)
+        if message is None:
+            raise
+        log.error("engine failed to start: %s", message)
+        return 1
 
     app = create_app(args, started)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -36,6 +45,11 @@ def main(argv: list[str]) -> int:
             super().handle_exit(sig, frame)
 
     server = Server(config)
+
+    def exit_on_failed_load() -> None:  # as SGLang's launcher: no server without its model
+        server.should_exit = True
+
+    engine.on_failed = exit_on_failed_load
 
     def exit_after_shutdown(signum, frame) -> None:
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then restores the previous handlers and

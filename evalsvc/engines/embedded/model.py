@@ -709,7 +709,10 @@ def load_model(path: str | Path) -> HybridLM:
         raise FileNotFoundError(f"{cfg_file}: no config.json in the model directory")
     cfg = HybridConfig.from_json(json.loads(cfg_file.read_text()))
     model = HybridLM(cfg)
-    weights = load_file(str(path / "model.safetensors"))
+    weights_file = path / "model.safetensors"
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"{weights_file}: no such file (the model's weights)")
+    weights = load_file(str(weights_file))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .args import EngineArgs
+from .deps import missing_dependency
 from .scheduler import GenerateInput, Req, SamplingParams, Scheduler
 
 log = logging.getLogger("evalsvc.engine")
@@ -298,9 +299,11 @@ def build_output(req: Req, scheduler: Scheduler) -> dict:
 
 
 class Engine:
-    """The model, tokenizer and scheduler behind the HTTP app; loaded off the event loop."""
+    """The model, tokenizer and scheduler behind the HTTP app; loaded off the event loop. A load
+    that fails calls ``on_failed`` (the server exits, as SGLang's launcher does)."""
 
     def __init__(self, args: EngineArgs, started: float) -> None:
+        self.on_failed = None
         self.args = args
         self.started = started
         self.ready = threading.Event()
@@ -331,8 +334,13 @@ class Engine:
             log.info("The server is fired up and ready to roll! (port %d, %.2f s)",
                      self.args.port, self.startup_time)
         except Exception as exc:
-            self.failed = f"{type(exc).__name__}: {exc}"
-            log.exception("engine failed to start")
+            missing = missing_dependency(exc) if isinstance(exc, ImportError) else None
+            self.failed = missing or f"{type(exc).__name__}: {exc}"
+            if missing is None:
+                log.error("engine load failed", exc_info=True)
+            log.error("engine failed to start: %s", self.failed)  # the last line of the log tail
+            if self.on_failed is not None:
+                self.on_failed()
 
     def warmup(self) -> None:
         done = threading.Event()
