@@ -8,11 +8,16 @@ full; the PostgreSQL server restarted (a private server, never the shared one)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,7 +27,7 @@ from sqlalchemy.pool import NullPool
 
 from evalsvc.store.models import Run
 from tests.api import conftest as api_conftest
-from tests.api.conftest import Service
+from tests.api.conftest import Service, free_port
 from tests.conftest import in_ci
 from tests.processes import exists
 
@@ -150,4 +155,148 @@ def test_killed_engine_fails_its_run_only(service_factory, tmp_path):
     assert "exited with code -9" in killed.reason, killed.reason
     assert all(r.status == "done" and r.verdict == "pass" for r in rows.values()), rows
     assert not exists(pid) and not exists(pid, group=True)
+    stopped_ok(service)
+
+
+# ---- 3. an engine SIGSTOPped mid-run ----------------------------------------------------------
+RUN_DEADLINE = 90  # seconds (EVALSVC_RUN_TIMEOUT_S): a run here takes well under it
+
+
+def wait_run_finished(db_url: str, run_id: int, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        run = next(r for r in run_rows(db_url) if r.id == run_id)
+        if run.status not in ("pending", "running"):
+            return run
+        assert time.monotonic() < deadline, f"run {run_id} still {run.status}"
+        time.sleep(0.5)
+
+
+def test_stopped_engine_fails_its_run_by_the_deadline(service_factory, tmp_path):
+    db = f"sqlite:///{tmp_path / 'stop.db'}"
+    service = service_factory(db, EVALSVC_RUN_TIMEOUT_S=str(RUN_DEADLINE)).start()
+    job_id = service.submit(job_body())
+    run_id, pid = serving_engine(service, db)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        run = wait_run_finished(db, run_id, timeout=RUN_DEADLINE + 120)
+        waited = time.monotonic() - stopped
+    finally:  # whatever happened, no stopped engine stays
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(OSError):
+                kill(pid, signal.SIGKILL)
+    assert run.verdict == "error" and ("deadline" in run.reason or "did not answer" in run.reason), run
+    assert waited < RUN_DEADLINE + 60, f"the run ended {waited:.0f} s after its engine stopped"
+    assert not exists(pid) and not exists(pid, group=True), "the stopped engine was left"
+
+    job = service.wait(job_id, timeout=300)
+    assert job["status"] == "done", job
+    rows = {r.id: r for r in assert_once_each(db, job_id, CONFIGS)}
+    rows.pop(run_id)
+    assert all(r.status == "done" and r.verdict == "pass" for r in rows.values()), rows
+    stopped_ok(service)
+
+
+# ---- 4. the port taken; a second service on a store in use -------------------------------------
+def serve_once(service: Service, port: int, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``evalsvc serve --port PORT`` with ``service``'s settings (its store, data directory and
+    marker): it should refuse to start, so it runs to its exit."""
+    return subprocess.run([sys.executable, "-m", "evalsvc.cli", "serve", "--port", str(port)],
+                          env=service.env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_taken_port_and_store_in_use_refuse_to_start(service_factory, tmp_path):
+    db = f"sqlite:///{tmp_path / 'port.db'}"
+    live = service_factory(db).start()
+    job_id = live.submit(job_body(CONFIGS[:1]))
+    _run, pid = serving_engine(live, db)
+    os.kill(pid, signal.SIGSTOP)  # the live run holds still (its engine up) while they try
+    try:
+        before = run_rows(db)
+
+        # (a) a port another process holds (the store is the live service's)
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            taken = serve_once(live, port)
+        out = taken.stdout + taken.stderr
+        assert taken.returncode != 0, out
+        assert f"--port {port}" in out, out
+        assert exists(pid), "the refused service stopped the live service's engine"
+        assert run_rows(db) == before, "the refused service changed the live service's runs"
+
+        # (b) a free port, but the store is in use by the live service
+        second = serve_once(live, free_port())
+        out = second.stdout + second.stderr
+        assert second.returncode != 0, out
+        assert "in use by another evalsvc service" in out, out
+        assert exists(pid), "the second service stopped the live service's engine"
+        assert run_rows(db) == before, "the second service changed the live service's runs"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    job = live.wait(job_id, timeout=300)
+    assert job["status"] == "done", job
+    rows = assert_once_each(db, job_id, CONFIGS[:1])
+    assert rows[0].verdict == "pass", rows
+    stopped_ok(live)
+
+
+# ---- 5. the data directory's disk full ---------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MiB tmpfs on the service's data directory (tmp_path/data), unmounted afterwards."""
+    data = tmp_path / "data"
+    data.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(data)],
+                         capture_output=True, text=True, check=False)
+    need(f"root and mount -t tmpfs ({(res.stderr or res.stdout).strip()})", res.returncode == 0)
+    try:
+        yield data
+    finally:
+        if subprocess.run(["umount", str(data)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(data)], check=False)
+
+
+def fill(path: Path) -> int:
+    """Writes ``path`` until its file system is full; returns the bytes written."""
+    written = 0
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                written += f.write(chunk)
+            except OSError:
+                break
+        while True:  # what is left, byte by byte in smaller steps
+            try:
+                written += f.write(b"\0" * 4096)
+            except OSError:
+                return written
+
+
+def test_full_disk_fails_the_run_and_the_runner_goes_on(small_disk, service_factory, tmp_path):
+    # the store outside the full disk, so the failure can be recorded
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    service = service_factory(db).start()
+    job_id = service.submit(job_body(CONFIGS[:1]))
+    serving_engine(service, db)
+    filler = small_disk / "filler"
+    assert fill(filler) > 0
+    job = service.wait(job_id, timeout=300)
+    rows = assert_once_each(db, job_id, CONFIGS[:1])
+    run = rows[0]
+    assert run.status == "done" and run.verdict == "error", (run, job)
+    assert "No space left on device" in run.reason, run.reason
+    assert job["status"] == "failed" and "No space left on device" in job["error"], job
+    health = service.client.get("/healthz")
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+    filler.unlink()
+    again = service.submit(job_body(CONFIGS[:1]))
+    job = service.wait(again, timeout=300)
+    assert job["status"] == "done", job
+    assert assert_once_each(db, again, CONFIGS[:1])[0].verdict == "pass"
     stopped_ok(service)
