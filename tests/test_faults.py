@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -242,6 +244,101 @@ def test_taken_port_and_store_in_use_refuse_to_start(service_factory, tmp_path):
     rows = assert_once_each(db, job_id, CONFIGS[:1])
     assert rows[0].verdict == "pass", rows
     stopped_ok(live)
+
+
+# ---- 6. PostgreSQL restarted mid-job -----------------------------------------------------------
+class PrivatePostgres:
+    """A PostgreSQL server of the test's own (initdb in tmp, a free port, a socket dir in tmp)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data = root / "pgdata"
+        self.sockets = root / "sock"
+        self.port = free_port()
+        self.log = root / "postgres.log"
+        self.started = False
+
+    def _as_postgres(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        res = subprocess.run(["runuser", "-u", "postgres", "--", *argv], capture_output=True,
+                             text=True, timeout=120)
+        if check:
+            assert res.returncode == 0, f"{argv}: {res.stdout}{res.stderr}{self.tail()}"
+        return res
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+    def init(self) -> PrivatePostgres:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.sockets.mkdir(exist_ok=True)
+        shutil.chown(self.root, "postgres")
+        shutil.chown(self.sockets, "postgres")
+        self._as_postgres(str(PG_BIN / "initdb"), "-D", str(self.data), "--auth=trust",
+                          "-U", "postgres")
+        return self
+
+    def ctl(self, action: str, *args: str) -> None:
+        self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.log),
+                          "-o", f"-p {self.port} -k {self.sockets} -h 127.0.0.1", "-w", *args,
+                          action)
+        self.started = action in ("start", "restart")
+
+    def stop(self) -> None:
+        if self.started:
+            self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w",
+                              "stop", check=False)
+            self.started = False
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PrivatePostgres]:
+    need("root, runuser and PostgreSQL 15's server binaries (apt-get install postgresql-15)",
+         os.geteuid() == 0 and shutil.which("runuser") is not None
+         and (PG_BIN / "initdb").exists() and (PG_BIN / "pg_ctl").exists())
+    # not under pytest's tmp (private to root); a short path keeps the socket's under 107 bytes
+    server = PrivatePostgres(Path(tempfile.mkdtemp(prefix="evalsvc-pg-")))
+    try:
+        server.init().ctl("start")
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.root, ignore_errors=True)
+
+
+def wait_for_log(service: Service, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in service.log():
+        assert service.proc.poll() is None, f"the service exited:\n{service.log()}"
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{service.log()}"
+        time.sleep(0.2)
+
+
+def test_postgres_restart_mid_job_loses_no_run(service_factory, private_postgres):
+    pg = private_postgres
+    configs = CONFIGS
+    service = service_factory(pg.url).start()
+    job_id = service.submit(job_body(configs))
+    # a restart while the first run's engine works: the service's pooled connections are dead
+    serving_engine(service, pg.url)
+    pg.ctl("restart", "-m", "fast")
+    service.wait(job_id, timeout=300, until=lambda j: j["progress"].get("done", 0) >= 1)
+    # down while the second run ends: its record waits for the server to come back
+    serving_engine(service, pg.url)
+    pg.ctl("stop", "-m", "fast")
+    try:
+        wait_for_log(service, "the database is unreachable", timeout=120)
+        time.sleep(2)  # a second retry, still down
+    finally:
+        pg.ctl("start")
+    job = service.wait(job_id, timeout=300)
+    assert job["status"] == "done", job
+    rows = assert_once_each(pg.url, job_id, configs)
+    assert all(r.status == "done" and r.verdict == "pass" for r in rows), rows
+    stopped_ok(service)
 
 
 # ---- 5. the data directory's disk full ---------------------------------------------------------
