@@ -437,17 +437,21 @@ class JobService:
                              sglang_version=engine.version if engine.kind == "sglang" else None)
             if spec.get("configs"):
                 configs = [c for c in configs if c.name in spec["configs"]]
-            with self.store.session() as s:
+            def planned(s, configs=configs, engine=engine, ref=ref, request=request):
                 job = s.get(Job, job_id)
                 build = ensure_build(s, ref)
+                pending = []
                 for cfg in configs:
                     self._check_cancelled(job_id)
                     run = plan_run(s, job, build, matrix.name, cfg)
                     if run.status == "pending":
-                        tasks.append((run.id, RunTask.make(
+                        pending.append((run.id, RunTask.make(
                             job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
                             log_dir / f"build-{build.id}", build=request,
                             run_timeout_s=self.settings.run_timeout_s), cfg.name))
+                return pending
+
+            tasks += self.store.write(planned, f"job {job_id}: its runs planned")
         futures: list[tuple[int, Future]] = []
         try:
             for run_id, task, _name in tasks:
