@@ -107,55 +107,64 @@ def wait_job(store: Store, job_id: str, timeout: float = 120,
 
 
 # ---- cancel ---------------------------------------------------------------------------------
-class Gate:
-    """Holds a function of the runner at its ``nth`` call until ``release()``; the real function
-    then runs. ``entered`` is set when the runner got there."""
+# the functions of a job's phases, by where the runner finds them
+TRACED = {"load_prompts": evalsvc.workloads, "tokenized": evalsvc.evaluate,
+          "_prepare_build": JobService, "expand": evalsvc.jobs, "plan_run": evalsvc.jobs}
 
-    def __init__(self, monkeypatch, owner, name: str, nth: int = 1) -> None:
+
+class Phases:
+    """Records the runner's calls of each phase's function, and holds the ``nth`` call of one of
+    them until ``release()`` (the real function runs then). ``entered`` is set when the runner
+    got there; ``after`` lists the calls that began after the held one."""
+
+    def __init__(self, monkeypatch, hold: str, nth: int) -> None:
         self.entered, self._open = threading.Event(), threading.Event()
-        self.calls = 0
-        real = getattr(owner, name)
+        self.calls: list[str] = []
+        self.after: list[str] = []
+        for name, owner in TRACED.items():
+            monkeypatch.setattr(owner, name, self._traced(name, getattr(owner, name), hold, nth))
 
-        def held(*args, **kwargs):
+    def _traced(self, name: str, real, hold: str, nth: int):
+        def traced(*args, **kwargs):
             if threading.current_thread().name != "job-runner":
                 return real(*args, **kwargs)  # submit validates with the same functions
-            self.calls += 1
-            if self.calls == nth:
+            (self.after if self.entered.is_set() else self.calls).append(name)
+            if name == hold and self.calls.count(name) == nth and not self.entered.is_set():
                 self.entered.set()
-                assert self._open.wait(60), "the gate was never opened"
+                assert self._open.wait(60), "the held phase was never released"
             return real(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, held)
+        return traced
 
     def release(self) -> None:
         self._open.set()
 
 
 PHASES = {  # where a job spends its time before its runs reach the engines
-    "loading the workload": (evalsvc.workloads, "load_prompts", 1),
-    "tokenizing": (evalsvc.evaluate, "tokenized", 1),
-    "preparing its build": (JobService, "_prepare_build", 1),
-    "preparing its second build, runs planned": (JobService, "_prepare_build", 2),
-    "expanding its configs": (evalsvc.jobs, "expand", 1),
+    "loading the workload": ("load_prompts", 1),
+    "tokenizing": ("tokenized", 1),
+    "preparing its build": ("_prepare_build", 1),
+    "expanding its configs": ("expand", 1),
+    "preparing its second build, a run planned": ("_prepare_build", 2),
 }
 
 
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_cancel_stops_a_job_in_every_phase(runner, fake_engine, monkeypatch, phase):
-    """Cancelled before its runs reached the dispatcher: answered cancelling, it ends cancelled,
-    no engine starts and the runs it had planned are cancelled."""
-    owner, name, nth = PHASES[phase]
-    gate = Gate(monkeypatch, owner, name, nth)
+    """Cancelled before its runs reached the dispatcher: answered cancelling, it goes through no
+    further phase and ends cancelled; no engine starts and the run it had planned is cancelled."""
+    hold, nth = PHASES[phase]
+    phases = Phases(monkeypatch, hold, nth)
     jobs = runner()
     job_id = jobs.submit(JobCreate(matrix=MATRIX, builds=[{}, {}]))
-    assert gate.entered.wait(60), f"the job never got to {phase}"
+    assert phases.entered.wait(60), f"the job never got to {phase}"
     assert jobs.cancel(job_id) == "cancelling"
-    gate.release()
+    phases.release()
     job = wait_job(jobs.store, job_id)
     assert (job.status, job.error) == ("cancelled", None)
+    assert phases.after == [], f"phases after the cancel: {phases.after}"
     runs = runs_of(jobs.store, job_id)
     assert all(r.status == "cancelled" for r in runs), [(r.id, r.status) for r in runs]
-    assert bool(runs) == (nth == 2)  # the first build's run was planned
+    assert len(runs) == phases.calls.count("plan_run")
     assert not fake_engine.exists(), "an engine started for a cancelled job"
     # the runner goes on with the next job
     assert wait_job(jobs.store, jobs.submit(JobCreate(matrix=MATRIX))).status == "done"
@@ -187,16 +196,16 @@ def test_a_job_answered_cancelled_never_starts(runner, fake_engine):
 def test_a_cancel_asked_before_the_service_died_is_kept(runner, monkeypatch):
     """A job answered cancelling when its service died (its runner never got to act on it): the
     next service ends it cancelled instead of running it again."""
-    gate = Gate(monkeypatch, evalsvc.evaluate, "tokenized")
+    phases = Phases(monkeypatch, "tokenized", 1)
     first = runner()
     job_id = first.submit(JobCreate(matrix=MATRIX))
-    assert gate.entered.wait(60)
+    assert phases.entered.wait(60)
     assert first.cancel(job_id) == "cancelling"
     first._release_lock()  # the service is gone as far as the store can tell: its lock dropped
     second = runner()
     job = job_row(second.store, job_id)
     assert job.status == "cancelled" and job.finished_at is not None
-    gate.release()  # the dead service's runner never writes again over it
+    phases.release()  # the dead service's runner never writes over it
     first.stop()
     assert job_row(second.store, job_id).status == "cancelled"
 
@@ -282,12 +291,13 @@ def test_a_second_service_exits_and_changes_nothing(service_factory, db_url, eng
 
     port = service.client.base_url.port
     code, out = serve(service.env, port)
+    assert rows(db) == before and exists(pid), out
     assert code != 0 and f"--port {port}" in out and "in use" in out, out
     code, out = serve(service.env, free_port())
+    assert rows(db) == before and exists(pid), out
     assert code != 0, out
     assert "is in use by another evalsvc service" in out, out
     assert make_url(db_url).database in out, out
-    assert rows(db) == before and exists(pid)
     assert service.client.get("/healthz").status_code == 200
 
     matrix_file = tmp_path / "fake.yaml"
