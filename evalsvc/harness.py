@@ -2,8 +2,10 @@
 
 No store and no web here: a run is a function of plain data (a config, an engine spec, prompts) and
 returns plain data (``RunResult``). A failing scenario marks that scenario ``error`` and the rest
-go on; an engine that dies fails what is left of the run with its log tail; the engine's whole
-process group is always taken down.
+go on; an engine that dies fails what is left of the run with its log tail; an engine that does not
+answer a request in the time its work allows, or a run past its deadline (``run_timeout``, engine
+start-up included), fails it the same way and the engine is killed; the engine's whole process
+group is always taken down.
 """
 
 from __future__ import annotations
@@ -24,13 +26,7 @@ from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
-from evalsvc.scenarios import (
-    SCENARIO_RUNNERS,
-    Context,
-    EngineClient,
-    Sample,
-    ScenarioError,
-)
+from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
 from evalsvc.types import RunResult, ScenarioResult, TopLogprobs
 
 log = logging.getLogger("evalsvc.harness")

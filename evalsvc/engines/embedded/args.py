@@ -188,7 +188,11 @@ def resolve(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Engine
     args.warnings = warnings
     model = resolve_model_path(ns.model_path)
     args.model_path = str(model)
-    config = json.loads((model / "config.json").read_text())
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except ValueError as exc:  # a broken model directory: say which file, as a flag error
+        raise ArgError(f"--model-path {ns.model_path}: {model / 'config.json'} is not valid "
+                       f"JSON ({exc})") from None
     try:
         args.defect_strengths = parse_defect_strengths(ns.inject_defect, env)
         args.defects = list(args.defect_strengths)
@@ -217,6 +221,9 @@ def _check_platform(args: EngineArgs) -> None:
                        "recurrent state in float32")
     if args.mamba_track_interval <= 0:
         raise ArgError(f"--mamba-track-interval {args.mamba_track_interval} must be positive")
+    # each request's default sampling seed derives from it; numpy's seeds are 32-bit, as SGLang's
+    if args.random_seed is not None and not 0 <= args.random_seed < 2**32:
+        raise ArgError(f"--random-seed {args.random_seed}: must be between 0 and {2**32 - 1}")
 
 
 def _resolve_mamba(args: EngineArgs, config: dict) -> None:

@@ -292,6 +292,11 @@ class Scheduler:
                     last = None
             except Exception:
                 log.exception("scheduler step failed; aborting the requests involved")
+                # a batch launched ahead of the one that failed is never processed: wait for the
+                # forward stream to finish it, so nothing counts as in flight after the abort
+                # (else every later /flush_cache is refused)
+                self.stream.submit(lambda: None).result()
+                self.inflight_batches = 0
                 self._abort_all("internal error in the embedded engine (see its log)")
                 last = None
             self._update_gauges()

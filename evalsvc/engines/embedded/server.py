@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from .args import EngineArgs
 from .deps import missing_dependency
@@ -43,10 +43,14 @@ def engine_threads() -> int:
         raise ValueError(f"EVALSVC_ENGINE_THREADS={value!r}: give a positive integer")
     return int(value)
 
-class SamplingParamsIn(BaseModel):
-    """SGLang's sampling parameters; unknown keys are refused by name."""
+MAX_BODY_DEPTH = 32  # JSON nesting of a request body (a /generate body needs 4 levels)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
-    model_config = ConfigDict(extra="forbid")
+
+class SamplingParamsIn(BaseModel):
+    """SGLang's sampling parameters; unknown keys are refused by name, NaN and infinities too."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -56,8 +60,8 @@ class SamplingParamsIn(BaseModel):
     min_new_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    sampling_seed: int | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -96,16 +100,16 @@ class SamplingParamsIn(BaseModel):
 class GenerateReqIn(BaseModel):
     """``POST /generate`` body (SGLang's GenerateReqInput, the fields a text model uses)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
-    token_ids_logprob: list[int] | list[list[int]] | None = None
+    token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = Field(False, description="streaming is not supported by the embedded engine")
     log_metrics: bool = True
@@ -187,6 +191,10 @@ def normalize(body: GenerateReqIn, vocab_size: int, encode) -> tuple[list[Genera
             raise RequestError(_describe(exc, "sampling_params")) from None
         except ValueError as exc:
             raise RequestError(f"sampling_params: {exc}") from None
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"sampling_params.stop_token_ids: token id {bad[0]} is outside the "
+                               f"model's vocabulary (size {vocab_size})")
         if rids is not None:
             rid = rids[i]
         elif isinstance(body.rid, str) and not batch:
@@ -208,12 +216,39 @@ def normalize(body: GenerateReqIn, vocab_size: int, encode) -> tuple[list[Genera
         top = _item(body.top_logprobs_num, i, n, batch, "top_logprobs_num")
         if top < 0:
             raise RequestError(f"top_logprobs_num: {top} must not be negative")
+        if top > vocab_size:
+            raise RequestError(f"top_logprobs_num: {top} is more than the model's vocabulary "
+                               f"(size {vocab_size})")
         out.append(GenerateInput(
             rid=rid, input_ids=toks, sampling=sp,
             return_logprob=bool(_item(body.return_logprob, i, n, batch, "return_logprob")),
             logprob_start_len=start, top_logprobs_num=top, token_ids_logprob=tids or None,
             return_text_in_logprobs=body.return_text_in_logprobs))
     return out, batch
+
+
+def check_body(raw: Any) -> None:
+    """What the models cannot check: nesting depth, and strings that are not Unicode text (a lone
+    surrogate, which JSON's \\uD800 escapes can carry, cannot be tokenized or echoed back)."""
+    stack = [(raw, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise RequestError(f"{where or 'the request body'}: nested deeper than "
+                               f"{MAX_BODY_DEPTH} levels")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestError(f"{where}: a lone surrogate (U+{ord(value[exc.start]):04X}) "
+                                   f"at character {exc.start} is not text") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, str):
+                    stack.append((k, f"{where}.<key>" if where else "<key>", depth + 1))
+                stack.append((v, f"{where}.{k}" if where else str(k), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
 
 
 def _describe(exc: ValidationError, prefix: str = "") -> str:
@@ -406,9 +441,12 @@ def create_app(args: EngineArgs, started: float | None = None) -> FastAPI:
             raw = await request.json()
         except ValueError:
             return _error("the request body is not valid JSON")
+        except RecursionError:
+            return _error(f"the request body: nested deeper than {MAX_BODY_DEPTH} levels")
         if not isinstance(raw, dict):
             return _error("the request body must be a JSON object")
         try:
+            check_body(raw)
             body = GenerateReqIn.model_validate(raw)
             inputs, batch = normalize(body, engine.scheduler.model.cfg.vocab_size,
                                       engine.scheduler.tokenizer.encode)

@@ -53,3 +53,28 @@ def test_missing_engine_dependency_is_named_with_its_extra(tmp_path, missing):
     assert message.startswith("engine exited with code 1 during start-up")
     assert (f"{missing[0]} is not installed: the embedded engine needs the engine extra "
             "(pip install 'evalsvc[engine]')") in message
+
+
+@pytest.mark.parametrize("seed", [str(2**70), "-1", str(2**32)])
+def test_random_seed_out_of_range_is_refused_naming_the_flag(seed, capsys):
+    """Every request's default sampling seed derives from it: one torch refuses would fail them
+    all."""
+    from evalsvc.engines.embedded.args import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--random-seed", seed], env={})
+    assert exc.value.code == 2
+    assert f"--random-seed {seed}: must be between 0 and 4294967295" in capsys.readouterr().err
+
+
+def test_unreadable_model_config_is_refused_naming_the_file(tmp_path, capsys):
+    from evalsvc.engines.embedded.args import parse_args
+
+    model = tmp_path / "model"
+    shutil.copytree(MODELS_DIR / "hybrid-mamba2-tiny", model)
+    (model / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-path", str(model)], env={})
+    assert exc.value.code == 2
+    assert f"--model-path {model}: {model / 'config.json'} is not valid JSON" in \
+        capsys.readouterr().err
