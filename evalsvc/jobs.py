@@ -99,6 +99,7 @@ class JobService:
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._store_lock: StoreLock | None = None
+        self._failing: str | None = None  # the error the runner is waiting out, if any
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, body: JobCreate, trigger: str = "api", extra: dict[str, Any] | None = None,
@@ -262,11 +263,15 @@ class JobService:
             lock.release()
 
     def runner_problem(self) -> str | None:
-        """Why the runner cannot take up jobs (its thread ended), None when it can or was never
-        started (a service that only submits)."""
-        if self._thread is None or self._thread.is_alive():
+        """Why the runner cannot take up or finish jobs (its thread ended, or it meets an error
+        it is waiting out), None when it can or was never started (a service that submits)."""
+        if self._thread is None:
             return None
-        return "the job runner thread is not running (queued jobs do not start)"
+        if not self._thread.is_alive():
+            return "the job runner thread is not running (queued jobs do not start)"
+        if self._failing is not None:
+            return f"the job runner meets an error, and tries again: {self._failing}"
+        return None
 
     def recover(self) -> None:
         """After a restart: stop engines a killed service left, requeue unfinished work.
@@ -319,9 +324,10 @@ class JobService:
             try:
                 if not self._step():
                     return
-                pause = 0.0
-            except Exception:
+                pause, self._failing = 0.0, None
+            except Exception as exc:
                 pause = min(max(2 * pause, 1.0), 30.0)
+                self._failing = describe(exc)
                 log.exception("job runner: an error; trying again in %.0f s", pause)
                 self._stop.wait(pause)
 
@@ -380,6 +386,7 @@ class JobService:
                     if not counted:  # before the row: who sees the job finished sees it counted
                         self._count(status)
                         counted = True
+                    self._failing = None  # set again below if this write fails too
                     with self.store.session() as s:
                         _end_leftovers(s, job_id, error)
                         s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
@@ -387,7 +394,8 @@ class JobService:
                     self._cancelled.discard(job_id)
                 log.info("job %s %s", job_id, status)
                 return
-            except Exception:
+            except Exception as exc:
+                self._failing = f"writing the end of job {job_id}: {describe(exc)}"
                 if self._stop.is_set():
                     log.exception("job %s: its end (%s) could not be written; it resumes after "
                                   "the restart", job_id, status)

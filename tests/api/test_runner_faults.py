@@ -171,8 +171,8 @@ def test_cancel_stops_a_job_in_every_phase(runner, fake_engine, monkeypatch, pha
 
 
 def test_a_job_answered_cancelled_never_starts(runner, fake_engine):
-    """Rounds of 50 concurrent submit-then-cancel against a real runner: a job answered cancelled
-    never starts a run; one answered cancelling ends cancelled."""
+    """Rounds of 50 concurrent submit-then-cancel on SQLite against a real runner: a job answered
+    cancelled never starts a run; one answered cancelling ends cancelled."""
     jobs = runner()
 
     def submit_then_cancel(_: int) -> tuple[str, str | None]:
@@ -180,7 +180,7 @@ def test_a_job_answered_cancelled_never_starts(runner, fake_engine):
         return job_id, jobs.cancel(job_id)
 
     answers: dict[str, str | None] = {}
-    for _ in range(4):
+    for _ in range(8):  # unfixed, about one job in 200 was answered cancelled and then ran
         with ThreadPoolExecutor(50) as pool:
             answers.update(pool.map(submit_then_cancel, range(50)))
     assert set(answers.values()) <= {"cancelled", "cancelling"}, answers
@@ -395,7 +395,8 @@ def test_a_run_the_store_cannot_take_fails_and_the_runner_goes_on(tmp_path, runn
             assert time.monotonic() < deadline, "the run's engine did not come and go"
             time.sleep(0.1)
         time.sleep(2.5)  # the runner meets the locked store a few times
-        assert jobs.runner_problem() is None
+        assert jobs._thread.is_alive()
+        assert "database is locked" in jobs.runner_problem()  # what /healthz says
         assert job_row(jobs.store, job_id).status == "running"
     finally:
         holder.rollback()
@@ -407,6 +408,7 @@ def test_a_run_the_store_cannot_take_fails_and_the_runner_goes_on(tmp_path, runn
     assert (run.status, run.verdict, run.engine_pid) == ("done", "error", None)
     assert "could not be recorded" in run.reason
     assert wait_job(jobs.store, jobs.submit(JobCreate(matrix=MATRIX))).status == "done"
+    assert jobs.runner_problem() is None
 
 
 def test_the_store_unreachable_is_a_503_and_the_runner_goes_on(request, tmp_path, fake_engine,
@@ -435,7 +437,7 @@ def test_the_store_unreachable_is_a_503_and_the_runner_goes_on(request, tmp_path
                 assert resp.status_code == 503, resp.text
                 assert "the store cannot be used now" in resp.json()["detail"], resp.text
                 time.sleep(2.5)  # the runner meets the refusals
-                assert app.state.services.jobs.runner_problem() is None
+                assert app.state.services.jobs._thread.is_alive()
             finally:
                 with postgres_admin.connect() as conn:
                     conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
