@@ -587,17 +587,21 @@ class JobService:
                              sglang_version=engine.version if engine.kind == "sglang" else None)
             if spec.get("configs"):
                 configs = [c for c in configs if c.name in spec["configs"]]
-            with self.store.session() as s:
+            def planned(s, configs=configs, engine=engine, ref=ref, request=request):
                 job = s.get(Job, job_id)
                 build = ensure_build(s, ref)
+                pending = []
                 for cfg in configs:
                     self._check_cancelled(job_id)
                     run = plan_run(s, job, build, matrix.name, cfg)
                     if run.status == "pending":
-                        tasks.append((run.id, RunTask.make(
+                        pending.append((run.id, RunTask.make(
                             job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
                             inside(log_dir, f"build-{build.id}"), build=request,
                             run_timeout_s=self.settings.run_timeout_s), cfg.name))
+                return pending
+
+            tasks += self.store.write(planned, f"job {job_id}: its runs planned")
         futures: list[tuple[int, Future]] = []
         try:
             for run_id, task, _name in tasks:
@@ -666,12 +670,16 @@ class JobService:
             manifest=m), build_request(info)
 
     def _run_started(self, run_id: int) -> None:
-        with self.store.session() as s:
+        def started(s) -> None:
             s.get(Run, run_id).status = "running"
 
+        self.store.write(started, f"run {run_id}: its start")
+
     def _engine_up(self, run_id: int, pid: int) -> None:
-        with self.store.session() as s:
+        def engine_up(s) -> None:
             s.get(Run, run_id).engine_pid = pid
+
+        self.store.write(engine_up, f"run {run_id}: its engine's pid")
 
     def _record(self, job_id: str, run_id: int, result) -> str | None:
         """Record a finished run and its verdicts. A write that fails (its samples file, the
@@ -683,13 +691,15 @@ class JobService:
         except OSError as exc:  # a full disk, a file where a folder should be
             return self._fail_run(run_id, f"its samples could not be written to {target}: "
                                           f"{describe(exc)}")
-        try:
-            with self.store.session() as s:  # the run and its verdicts in one transaction
-                run = s.get(Run, run_id)
-                record_run(s, run.job, run.build, run.matrix, result, path)
-                verdicts = judge_run(s, run.id)
-                if run.job.spec.get("track"):
-                    track(s, run, verdicts)
+        def recorded(s) -> None:  # the run and its verdicts in one transaction
+            run = s.get(Run, run_id)
+            record_run(s, run.job, run.build, run.matrix, result, path)
+            verdicts = judge_run(s, run.id)
+            if run.job.spec.get("track"):
+                track(s, run, verdicts)
+
+        try:  # a lost connection is retried first (the database server restarting)
+            self.store.write(recorded, f"run {run_id}: its record")
         except (SQLAlchemyError, OSError) as exc:
             if path is not None:
                 path.unlink(missing_ok=True)
@@ -702,11 +712,13 @@ class JobService:
         """Mark a run failed (verdict error) where the store takes it; returns the job's error."""
         error = f"run {run_id}: {reason}"
         log.error("%s", error)
+        def failed(s) -> None:
+            run = s.get(Run, run_id)
+            run.status, run.verdict, run.reason = "done", "error", reason
+            run.engine_pid, run.finished_at = None, utcnow()
+
         try:
-            with self.store.session() as s:
-                run = s.get(Run, run_id)
-                run.status, run.verdict, run.reason = "done", "error", reason
-                run.engine_pid, run.finished_at = None, utcnow()
+            self.store.write(failed, f"run {run_id}: its failure")
         except Exception:
             log.exception("run %d: its failure could not be written either", run_id)
         return error

@@ -2,22 +2,52 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+RETRY_SECONDS = 60.0  # how long a write is retried while the database server is unreachable
+log = logging.getLogger("evalsvc.store")
+T = TypeVar("T")
+
+# SQLSTATE classes of a lost or refused server connection: 08 connection exception, 57P01-03
+# admin/crash shutdown and "cannot connect now" (the server is starting or stopping)
+_TRANSIENT_SQLSTATES = ("08", "57P01", "57P02", "57P03")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a database error is a lost or refused connection that a retry may get past (the
+    server restarting), not a fault of the statement or the storage. SQLite has no server: its
+    OperationalErrors (a full disk, a locked file) are not retried here."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    orig = exc.orig
+    if orig is None or type(orig).__module__.startswith("sqlite3"):
+        return False
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if state is None:  # no SQLSTATE: the client could not reach the server at all
+        return True
+    return state.startswith(_TRANSIENT_SQLSTATES)
 
 
 def make_engine(url: str, **kwargs) -> Engine:
     """An engine for SQLite (a file, created with its folder) or any other SQLAlchemy URL."""
     if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if not url.startswith("sqlite"):  # a server may have closed pooled connections (restart)
+        kwargs.setdefault("pool_pre_ping", True)
     engine = create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         @event.listens_for(engine, "connect")
@@ -59,8 +89,10 @@ def current(url: str) -> str | None:
 class Store:
     """A migrated database and a session factory."""
 
-    def __init__(self, url: str, migrate: bool = True) -> None:
+    def __init__(self, url: str, migrate: bool = True,
+                 retry_seconds: float = RETRY_SECONDS) -> None:
         self.url = url
+        self.retry_seconds = retry_seconds
         if migrate:
             upgrade(url)
         self.engine = make_engine(url)
@@ -71,6 +103,28 @@ class Store:
         """One transaction: committed at the end, rolled back on any error."""
         with self._sessions() as s, s.begin():
             yield s
+
+    def write(self, fn: Callable[[Session], T], what: str = "a write") -> T:
+        """``fn(session)`` in a transaction of its own, run again while the database server is
+        unreachable (a lost or refused connection: ``transient``), with a backoff of 0.5 s doubling
+        to 5 s, for up to ``retry_seconds``; then, or on any other error, the error is raised.
+        ``fn`` must be safe to run again: a failed attempt is rolled back, yet a commit whose
+        answer was lost may have been applied."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.5
+        while True:
+            try:
+                with self.session() as s:
+                    return fn(s)
+            except DBAPIError as exc:
+                left = deadline - time.monotonic()
+                if not transient(exc) or left <= 0:
+                    raise
+                first = (str(exc.orig or exc).strip().splitlines() or [type(exc).__name__])[0]
+                log.warning("%s: the database is unreachable (%s); retrying in %.1f s", what,
+                            first, min(delay, left))
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 5.0)
 
     def close(self) -> None:
         self.engine.dispose()
