@@ -475,6 +475,8 @@ class JobService:
 
     def _step(self) -> bool:
         """Take up the next job and run it to its end; False: the service is shutting down."""
+        if self._store_lock is not None:  # still this service's store (a restarted PostgreSQL)
+            self._store_lock.keep()
         job_id = self._next_job()
         if job_id is None:
             self._wake.wait(1.0)

@@ -27,6 +27,7 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.pool import NullPool
 
+from evalsvc.store.lock import StoreLock, StoreLocked
 from evalsvc.store.models import Run
 from tests.api import conftest as api_conftest
 from tests.api.conftest import Service, free_port
@@ -307,6 +308,32 @@ def private_postgres() -> Iterator[PrivatePostgres]:
     finally:
         server.stop()
         shutil.rmtree(server.root, ignore_errors=True)
+
+
+def test_a_postgres_restart_never_hands_the_store_to_a_second_service(private_postgres):
+    """The advisory lock dies with its session: ``keep`` takes it again after a restart, and says
+    so when another service got in first (the runner then takes no job)."""
+    url = private_postgres.url
+    first = StoreLock(url)
+    first.acquire()
+    try:
+        private_postgres.ctl("restart", "-m", "fast")
+        first.keep()
+        with pytest.raises(StoreLocked, match="in use by another evalsvc service"):
+            StoreLock(url).acquire()
+        private_postgres.ctl("restart", "-m", "fast")
+        second = StoreLock(url)
+        second.acquire()  # in the gap before the first one looks again
+        try:
+            with pytest.raises(StoreLocked, match="in use by another evalsvc service"):
+                first.keep()
+        finally:
+            second.release()
+        first.keep()  # free again: the first service's once more
+        with pytest.raises(StoreLocked):
+            StoreLock(url).acquire()
+    finally:
+        first.release()
 
 
 def wait_for_log(service: Service, text: str, timeout: float) -> None:

@@ -4,10 +4,16 @@ SQLite: an exclusive ``fcntl.flock`` on ``<database>.lock`` beside the database 
 (or any other server database): ``pg_try_advisory_lock`` on a connection of its own, kept open as
 long as the lock is held. The operating system or the server drops the lock when the process dies,
 so a killed service leaves nothing to clean up. A SQLite database in memory needs no lock.
+
+A PostgreSQL restart ends the session that held the advisory lock, and the lock with it: the runner
+calls ``keep()`` before it takes up each job, which takes the lock again on a new session, or
+raises StoreLocked when another service took it meanwhile (the runner then takes no job and says
+so on ``/healthz`` until the lock is its own again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -46,6 +52,7 @@ class StoreLock:
         self._fd: int | None = None
         self._engine: Engine | None = None
         self._conn: Connection | None = None
+        self._lost = False  # the advisory lock was held, and its session ended
 
     @property
     def held(self) -> bool:
@@ -100,7 +107,29 @@ class StoreLock:
                               f"holds the advisory lock {ADVISORY_KEY}); stop it first")
         self._engine, self._conn = engine, conn
 
+    def keep(self) -> None:
+        """Make sure the lock is still held (see the module docstring); StoreLocked if another
+        service holds it now, the database's error while the server cannot be reached."""
+        if self._conn is None and not self._lost:
+            return  # a file lock lasts as long as its descriptor
+        if self._conn is not None:
+            try:
+                self._conn.execute(text("SELECT 1"))
+                self._conn.commit()
+                return  # the session is alive, so is its lock
+            except SQLAlchemyError:
+                pass
+            conn, engine = self._conn, self._engine
+            self._conn = self._engine = None
+            with contextlib.suppress(SQLAlchemyError):
+                conn.close()
+            engine.dispose()
+            self._lost = True
+        self._acquire_advisory()
+        self._lost = False
+
     def release(self) -> None:
+        self._lost = False
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
