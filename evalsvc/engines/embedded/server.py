@@ -162,7 +162,7 @@ def normalize(body: GenerateReqIn, vocab_size: int, encode) -> tuple[list[Genera
         raise RequestError("text/input_ids: an empty batch")
     if body.input_ids is not None:
         ids = body.input_ids if batch else [body.input_ids]
-        if isinstance(ids[0], int) or len(ids) != n:
+        if not ids or isinstance(ids[0], int) or len(ids) != n:
             raise RequestError(f"input_ids: expected {n} lists of token ids to match text")
     else:
         texts = body.text if batch else [body.text]

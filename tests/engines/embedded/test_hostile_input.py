@@ -58,6 +58,9 @@ def assert_serving(client: httpx.Client) -> None:
 
 
 HOSTILE = {
+    # the prompt (found by the fuzz below: a batch of texts beside an empty input_ids list)
+    "text_batch_with_empty_input_ids": ({"text": [""], "input_ids": [], "sampling_params": OK},
+                                        ["input_ids"]),
     # sampling parameters
     "seed_too_big": ({"text": "hi", "sampling_params": {**OK, "sampling_seed": 2**70}},
                      ["sampling_params.sampling_seed"]),
