@@ -180,11 +180,14 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
         if result.verdict != "cancelled":
             log.error("run %s: %s", config.name, result.reason)
     except Exception as exc:
-        if watchdog.reason is not None:
+        if control is not None and control.cancelled:  # its engine stopped by the cancel
+            result.verdict, result.reason = "cancelled", "the job was cancelled"
+        elif watchdog.reason is not None:
             result.verdict, result.reason = "error", watchdog.reason
         else:
             result.reason = f"{type(exc).__name__}: {exc}"
-        log.exception("run %s failed", config.name)
+        if result.verdict != "cancelled":
+            log.exception("run %s failed", config.name)
     finally:
         if client is not None:
             client.close()

@@ -273,6 +273,24 @@ def test_fake_server_ok_passes(fake, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_cancel_before_the_first_scenario_is_a_cancelled_run(fake, tmp_path, monkeypatch):
+    """A cancel that stops the engine while the harness asks for /server_info (after start-up,
+    before any scenario) makes the run cancelled, not an error of its own."""
+    control = harness.RunControl()
+    asked = harness.EngineClient.server_info
+
+    def cancelled_meanwhile(client):
+        control.cancel()  # stops the engine's process group, as a job's cancel does
+        return asked(client)
+
+    monkeypatch.setattr(harness.EngineClient, "server_info", cancelled_meanwhile)
+    r = run_config(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path, control=control)
+    assert (r.verdict, r.reason) == ("cancelled", "the job was cancelled")
+    assert r.scenarios == []
+    assert_gone(fake_pids(tmp_path))
+
+
+@pytest.mark.slow
 def test_engine_dying_at_start_is_an_error_with_its_log_tail(fake, tmp_path):
     r = run_config(*fake, fake_spec("die_at_start", tmp_path), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "error"
