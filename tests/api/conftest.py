@@ -68,8 +68,10 @@ class Service:
             assert time.monotonic() < deadline, f"the service did not come up:\n{self.log()}"
             time.sleep(0.2)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
+    def log(self, tail: int | None = 6000) -> str:
+        """The service's log: its last ``tail`` characters (for messages), or all of it (None)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return text if tail is None else text[-tail:]
 
     def engines(self) -> list[str]:
         return marked_processes(MARK, self.token)
