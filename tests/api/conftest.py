@@ -18,10 +18,19 @@ from typing import Any
 import httpx
 import pytest
 
+from evalsvc.engines.embedded.paths import MODELS_DIR
 from tests.processes import marked_processes, wait_no_processes
 
 MARK = "EVALSVC_TEST_SERVICE"  # marks the service's processes (its engines inherit it)
 FINISHED = ("done", "failed", "cancelled")
+# a one-config matrix on the fake SGLang server (a shipped model directory for its tokenizer)
+FAKE_MATRIX = {
+    "name": "fake", "engine": "sglang",
+    "models": {"m": {"path": str(MODELS_DIR / "hybrid-mamba2-tiny")}},
+    "include": [{"strategy": "extra_buffer", "overlap": True}],
+    "workload": {"num_prompts": 2, "max_new_tokens": 4},
+    "scenarios": ["cold"],
+}
 
 
 def _die_with_the_tests() -> None:

@@ -31,26 +31,18 @@ import evalsvc.workloads
 from evalsvc.api.app import create_app
 from evalsvc.cli import app as cli
 from evalsvc.dispatch.local import LocalDispatcher
-from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.jobs import JobCreate, JobService
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job, Run
 from evalsvc.store.record import ensure_job
+from tests.api.conftest import FAKE_MATRIX as MATRIX
 from tests.api.conftest import free_port
 from tests.processes import exists
 
 DATA = Path(__file__).parents[1] / "data"
 FAKE_PYTHON = str(DATA / "fake-python")
 FINISHED = ("done", "failed", "cancelled")
-# one config on the fake SGLang server (a shipped model directory for its tokenizer)
-MATRIX = {
-    "name": "fake", "engine": "sglang",
-    "models": {"m": {"path": str(MODELS_DIR / "hybrid-mamba2-tiny")}},
-    "include": [{"strategy": "extra_buffer", "overlap": True}],
-    "workload": {"num_prompts": 2, "max_new_tokens": 4},
-    "scenarios": ["cold"],
-}
 
 
 @pytest.fixture

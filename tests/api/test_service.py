@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.pool import NullPool
 
-from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.store.models import Run
+from tests.api.conftest import FAKE_MATRIX
 from tests.processes import exists
 
 pytestmark = pytest.mark.slow
@@ -28,14 +28,6 @@ DATA = Path(__file__).parents[1] / "data"
 FAKE_ENV = {"EVALSVC_ENGINE_PYTHON": str(DATA / "fake-python"), "FAKE_SGLANG_PYTHON": sys.executable,
             "FAKE_SGLANG_MODE": "slow_start", "FAKE_SGLANG_START_SECONDS": "20",
             "FAKE_SGLANG_WHEN": "mamba_radix_cache_strategy=no_buffer"}
-# a one-config matrix on the fake SGLang server (a shipped model directory for its tokenizer)
-FAKE_MATRIX = {
-    "name": "fake", "engine": "sglang",
-    "models": {"m": {"path": str(MODELS_DIR / "hybrid-mamba2-tiny")}},
-    "include": [{"strategy": "extra_buffer", "overlap": True}],
-    "workload": {"num_prompts": 2, "max_new_tokens": 4},
-    "scenarios": ["cold"],
-}
 
 
 def when(text: str) -> datetime:
