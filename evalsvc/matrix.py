@@ -527,6 +527,8 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
     args: dict[str, Any] = {"model_path": model.path, **matrix.extra_args}
     if model.tp_size != 1:
         args["tp_size"] = model.tp_size
+    if model.dtype != "auto":
+        args["dtype"] = model.dtype
     if not s["radix_cache"]:
         args["disable_radix_cache"] = True
     else:

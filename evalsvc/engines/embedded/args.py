@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--served-model-name", default=None)
     a("--skip-server-warmup", action="store_true")
     a("--device", default=None, choices=["cpu"])
-    a("--dtype", default="auto", choices=["auto", "float32"])
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+      help="auto: the model's (float32); bfloat16 computes as a GPU engine does (chunked prefill, "
+           "recurrent decode, split-KV decode attention)")
     a("--trust-remote-code", action="store_true")
     a("--load-format", default="auto", choices=["auto", "safetensors"])
     a("--context-length", type=int, default=None)
@@ -216,9 +218,6 @@ def _check_platform(args: EngineArgs) -> None:
         raise ArgError(f"--page-size {args.page_size}: the embedded engine supports page size 1")
     if args.tp_size != 1 or args.dp_size != 1:
         raise ArgError("--tp-size/--dp-size: the embedded engine runs on one CPU device (1)")
-    if args.mamba_ssm_dtype != "float32":
-        raise ArgError(f"--mamba-ssm-dtype {args.mamba_ssm_dtype}: the embedded engine keeps "
-                       "recurrent state in float32")
     if args.mamba_track_interval <= 0:
         raise ArgError(f"--mamba-track-interval {args.mamba_track_interval} must be positive")
     # each request's default sampling seed derives from it; numpy's seeds are 32-bit, as SGLang's

@@ -48,15 +48,16 @@ class KVPool:
         cfg = model.cfg
         n = len(cfg.attention_layers)
         shape = (size + 1, cfg.num_attention_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape) for _ in range(n)]
-        self.v = [torch.zeros(shape) for _ in range(n)]
+        dtype = model.numerics.dtype  # SGLang's KV cache dtype "auto": the model's
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n)]
         self.slots = FreeList(size)
 
     def access(self, past: list[torch.Tensor], new: list[torch.Tensor]) -> PoolKV:
         return PoolKV(self, past, new)
 
     def bytes_per_token(self) -> int:
-        return sum(t[0].numel() * 4 for t in self.k + self.v)
+        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
 
 
 class PoolKV:
@@ -92,21 +93,24 @@ class StatePool:
 
     ``conv[i]``/``ssm[i]`` hold recurrent layer i of the target; ``draft_conv``/``draft_ssm`` the
     MTP head's block and ``draft_hidden`` the target hidden state the next draft step starts from.
+    Conv states and hidden states are kept in the model's dtype, ssm states in
+    ``--mamba-ssm-dtype``.
     """
 
     def __init__(self, model: HybridLM, size: int, with_draft: bool) -> None:
         self.size = size
         self.conv, self.ssm = [], []
+        dtype, ssm_dtype = model.numerics.dtype, model.numerics.ssm_dtype
         for mixer in model.recurrent_mixers():
             conv_shape, ssm_shape = mixer.state_shapes()
-            self.conv.append(torch.zeros(size + 1, *conv_shape))
-            self.ssm.append(torch.zeros(size + 1, *ssm_shape))
+            self.conv.append(torch.zeros(size + 1, *conv_shape, dtype=dtype))
+            self.ssm.append(torch.zeros(size + 1, *ssm_shape, dtype=ssm_dtype))
         self.with_draft = with_draft
         if with_draft:
             conv_shape, ssm_shape = model.mtp.block.mixer.state_shapes()
-            self.draft_conv = torch.zeros(size + 1, *conv_shape)
-            self.draft_ssm = torch.zeros(size + 1, *ssm_shape)
-            self.draft_hidden = torch.zeros(size + 1, model.cfg.hidden_size)
+            self.draft_conv = torch.zeros(size + 1, *conv_shape, dtype=dtype)
+            self.draft_ssm = torch.zeros(size + 1, *ssm_shape, dtype=ssm_dtype)
+            self.draft_hidden = torch.zeros(size + 1, model.cfg.hidden_size, dtype=dtype)
         self.slots = FreeList(size)
 
     def target_tensors(self) -> list[torch.Tensor]:
@@ -139,7 +143,8 @@ class StatePool:
             t[slot] = v
 
     def bytes_per_slot(self) -> int:
-        return sum(t[0].numel() * 4 for t in self.target_tensors() + self.draft_tensors())
+        return sum(t[0].numel() * t.element_size()
+                   for t in self.target_tensors() + self.draft_tensors())
 
 
 class HostPool:
@@ -147,9 +152,9 @@ class HostPool:
     from) the device pools. Plain tensors in CPU memory, indexed like the device pools."""
 
     def __init__(self, kv: KVPool, states: StatePool, tokens: int, slots: int) -> None:
-        self.k = [torch.zeros(tokens + 1, *t.shape[1:]) for t in kv.k]
-        self.v = [torch.zeros(tokens + 1, *t.shape[1:]) for t in kv.v]
-        self.state = [torch.zeros(slots + 1, *t.shape[1:])
+        self.k = [torch.zeros(tokens + 1, *t.shape[1:], dtype=t.dtype) for t in kv.k]
+        self.v = [torch.zeros(tokens + 1, *t.shape[1:], dtype=t.dtype) for t in kv.v]
+        self.state = [torch.zeros(slots + 1, *t.shape[1:], dtype=t.dtype)
                       for t in states.target_tensors() + states.draft_tensors()]
         self.token_slots = FreeList(tokens)
         self.state_slots = FreeList(slots)

@@ -19,7 +19,23 @@ draft step (EAGLE-style chaining). It has one recurrent block of the model's fam
 also owns *draft state*: that block's conv and ssm state plus the target hidden state at the last
 position (``hidden``), which the next draft step pairs with the newest token.
 
-All logprobs are natural-log; tensors are float32.
+Numerics (:class:`Numerics`, ``--dtype`` / ``--mamba-ssm-dtype``). In float32 (the default) prefill
+and decode run the same per-token recurrence, so a cache hit reproduces a cold recompute to float32
+rounding. In bfloat16 the engine computes as a GPU engine does, and a hit is only as close to a cold
+recompute as that arithmetic allows:
+
+* weights, activations, the residual stream, KV cache and conv states in bf16; the recurrent (ssm)
+  state in ``--mamba-ssm-dtype`` (float32 by default, as SGLang keeps it); norms, gates, rotary
+  embedding and the mixers' inner arithmetic in float32 on bf16 inputs, rounded to bf16 on output;
+* an extend (prefill) runs the mixers in their chunked parallel form over 64-token chunks (the
+  chunked scan / chunked delta rule of FLA's kernels), from the cached state; decode and
+  speculative verify run the recurrent step;
+* decode attention splits the keys into KV splits whose number depends on the batch size
+  (flash-decoding, as SGLang's triton backend chooses ``num_kv_splits``) and merges them by
+  log-sum-exp; an extend attends in one pass;
+* logits are computed in bf16 and taken to float32 for the logprobs.
+
+All logprobs are natural-log.
 """
 
 from __future__ import annotations
@@ -57,6 +73,38 @@ def batch_invariant(on: bool = True):
 
 def _invariant() -> bool:
     return getattr(_mode, "invariant", False)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How the serving forward computes (see the module docstring)."""
+
+    dtype: torch.dtype = torch.float32  # weights, activations, KV cache, conv state
+    ssm_dtype: torch.dtype = torch.float32  # the recurrent state as stored between forwards
+    # chunked prefill, recurrent decode and split-KV decode attention; without: one recurrence
+    # and one attention for everything
+    gpu_kernels: bool = False
+
+    @classmethod
+    def from_args(cls, dtype: str, ssm_dtype: str) -> Numerics:
+        """``--dtype`` (``auto``: the checkpoint's float32) and ``--mamba-ssm-dtype``: bfloat16
+        computes as a GPU engine does, float32 with the one exact recurrence."""
+        dt = DTYPES["float32" if dtype == "auto" else dtype]
+        return cls(dt, DTYPES[ssm_dtype], gpu_kernels=dt != torch.float32)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# parameters that stay float32 in every dtype (SGLang loads the decay and skip terms in float32)
+FLOAT32_PARAMS = ("A_log", "dt_bias", "D")
+MIXER_CHUNK = 64  # FLA's chunk size for the chunked forms of an extend
+MAX_KV_SPLITS = 8
+
+
+def kv_splits(batch: int) -> int:
+    """Decode attention's KV splits for a batch of ``batch`` requests: as many as keep the device
+    busy (flash-decoding), so the reduction order of one request depends on what it is batched
+    with."""
+    return max(1, min(MAX_KV_SPLITS, MAX_KV_SPLITS // batch))
 
 
 def _rowwise(fn, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +175,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        h = x.float()  # computed in float32 on a bf16 input, rounded on output
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+                * self.weight.float()).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -147,8 +197,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     inv = 1.0 / (theta ** (torch.arange(half, dtype=torch.float32) / half))
     ang = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, half]
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -190,6 +240,31 @@ class Attention(nn.Module):
                                              vals.transpose(1, 2), attn_mask=mask[:, None])
         return out.transpose(1, 2).reshape(b, big_l, h * d)
 
+    @staticmethod
+    def attend_decode(q, keys, vals, past_lens):
+        """Decode attention (one query per segment) split over the keys, flash-decoding style:
+        each of ``kv_splits(B)`` splits gets its own float32 softmax, merged by log-sum-exp.
+        q: [B, 1, H, Dh]; keys/vals: [B, S, H, Dh] (segment b's valid keys: 0..past_lens[b]).
+        Returns [B, 1, H*Dh] in the inputs' dtype."""
+        b, s, h, d = keys.shape
+        scores = torch.einsum("bhd,bshd->bhs", q[:, 0].float() / math.sqrt(d), keys.float())
+        valid = torch.arange(s)[None, :] <= torch.tensor(past_lens)[:, None]  # [B, S]
+        scores = scores.masked_fill(~valid[:, None, :], -torch.inf)
+        size = -(-s // kv_splits(b))
+        outs, lses = [], []
+        for i in range(0, s, size):
+            part = scores[..., i: i + size]
+            m = part.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+            p = torch.exp(part - m)
+            total = p.sum(-1, keepdim=True)
+            outs.append(torch.einsum("bhs,bshd->bhd", p, vals[:, i: i + size].float())
+                        / total.clamp_min(1e-30))
+            lses.append(m + torch.log(total))  # -inf for a split without valid keys
+        lse = torch.stack(lses)  # [splits, B, H, 1]
+        weights = torch.exp(lse - torch.logsumexp(lse, dim=0, keepdim=True))
+        out = (weights * torch.stack(outs)).sum(0)
+        return out.reshape(b, 1, h * d).to(q.dtype)
+
 
 class CausalConv(nn.Module):
     """Depthwise causal conv1d whose state is the last ``kernel - 1`` inputs."""
@@ -206,9 +281,11 @@ class CausalConv(nn.Module):
         return F.conv1d(xt, self.weight, self.bias, groups=x.shape[-1]).transpose(1, 2)
 
     def forward_state(self, x: torch.Tensor, state: torch.Tensor):
-        """x: [B, L, C] (padded), state: [B, C, K-1] -> (out [B, L, C], full input [B, C, K-1+L])."""
-        full = torch.cat([state, x.transpose(1, 2)], dim=2)
-        out = F.conv1d(full, self.weight, self.bias, groups=x.shape[-1]).transpose(1, 2)
+        """x: [B, L, C] (padded), state: [B, C, K-1] -> (out [B, L, C] in float32, before the
+        activation; full input [B, C, K-1+L] in x's dtype, whose tail is the next conv state)."""
+        full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=2)
+        out = F.conv1d(full.float(), self.weight.float(), self.bias.float(),
+                       groups=x.shape[-1]).transpose(1, 2)
         return out, full
 
 
@@ -231,7 +308,12 @@ def _conv_state_after(full: torch.Tensor, b: int, k: int, width: int) -> torch.T
 
 
 class RecurrentMixer(nn.Module):
-    """Shared serving loop for both families: conv, then a per-token scan with masking."""
+    """Shared serving loop for both families: conv, then the scan, per token (``scan``) or in
+    chunks (``scan_chunked``).
+
+    The arithmetic inside a mixer is float32 whatever the dtype (bf16 inputs are taken to float32,
+    as the kernels do); its output is rounded to the input's dtype, conv states keep the input's
+    dtype and ssm states the dtype they came in (the pool's ``--mamba-ssm-dtype``)."""
 
     conv_channels: int
     conv: CausalConv
@@ -239,13 +321,18 @@ class RecurrentMixer(nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError
 
+    def _conv(self, pre: dict[str, torch.Tensor], conv_state: torch.Tensor) -> torch.Tensor:
+        conv_out, full = self.conv.forward_state(pre["conv_in"], conv_state)
+        pre["conv_out"] = F.silu(conv_out).to(pre["conv_in"].dtype)
+        return full
+
     def scan(self, x: torch.Tensor, lengths: list[int], conv_state: torch.Tensor,
              ssm_state: torch.Tensor, capture: list[tuple[int, int]]) -> ScanResult:
-        """x: [B, L, D] (segments right-padded), lengths: tokens per segment, states: [B, ...]."""
+        """The recurrent form. x: [B, L, D] (segments right-padded), lengths: tokens per segment,
+        states: [B, ...]."""
         b, big_l, _ = x.shape
         pre = self.pre_conv(x)  # dict of per-token tensors, conv input under "conv_in"
-        conv_out, full = self.conv.forward_state(pre["conv_in"], conv_state)
-        pre["conv_out"] = F.silu(conv_out)
+        full = self._conv(pre, conv_state)
         want: dict[int, list[int]] = {}
         for seg, k in capture:
             want.setdefault(k, []).append(seg)
@@ -253,7 +340,7 @@ class RecurrentMixer(nn.Module):
         width = self.conv.kernel - 1
         lens = torch.tensor(lengths)
         ragged = any(n != big_l for n in lengths)
-        h = ssm_state
+        h = ssm_state.float()
         step = self.step_inputs(pre)
         ys = []
         for t in range(big_l):
@@ -265,10 +352,48 @@ class RecurrentMixer(nn.Module):
                 h = h_new
             ys.append(y)
             for seg in want.get(t + 1, ()):
-                captured[(seg, t + 1)] = (_conv_state_after(full, seg, t + 1, width), h[seg].clone())
-        y = torch.stack(ys, dim=1)
+                captured[(seg, t + 1)] = (_conv_state_after(full, seg, t + 1, width),
+                                          h[seg].to(ssm_state.dtype, copy=True))
+        y = torch.stack(ys, dim=1).to(x.dtype)
         conv_final = torch.stack([full[i, :, n: n + width] for i, n in enumerate(lengths)])
-        return ScanResult(self.post(y, pre), conv_final.contiguous(), h, captured)
+        return ScanResult(self.post(y, pre), conv_final.contiguous(), h.to(ssm_state.dtype),
+                          captured)
+
+    def scan_chunked(self, x: torch.Tensor, lengths: list[int], conv_state: torch.Tensor,
+                     ssm_state: torch.Tensor, capture: list[tuple[int, int]]) -> ScanResult:
+        """The chunked parallel form (an extend on a GPU engine): each segment alone, in
+        ``MIXER_CHUNK``-token chunks from its state; a state captured after ``k`` tokens ends a
+        piece there (the kernels hand out states at the ends of what they ran)."""
+        pre = self.pre_conv(x)
+        width = self.conv.kernel - 1
+        wanted = set(capture)
+        captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        ys, convs, ssms = [], [], []
+        for b, n in enumerate(lengths):
+            conv_s, h = conv_state[b: b + 1], ssm_state[b: b + 1].float()
+            cuts = sorted({k for seg, k in capture if seg == b and 0 < k < n} | {n})
+            start, parts = 0, []
+            for end in cuts:
+                piece = {k: v[b: b + 1, start: end] for k, v in pre.items()}
+                full = self._conv(piece, conv_s)
+                y, h = self.chunk_scan(piece, h)
+                parts.append(y)
+                conv_s = full[:, :, -width:]
+                if (b, end) in wanted:
+                    captured[(b, end)] = (conv_s[0].clone(), h[0].to(ssm_state.dtype, copy=True))
+                start = end
+            y = torch.cat(parts, dim=1)
+            ys.append(F.pad(y, (0, 0) * (y.dim() - 2) + (0, x.shape[1] - n)))
+            convs.append(conv_s[0])
+            ssms.append(h[0])
+        y = torch.cat(ys).to(x.dtype)
+        return ScanResult(self.post(y, pre), torch.stack(convs).contiguous(),
+                          torch.stack(ssms).to(ssm_state.dtype), captured)
+
+    def chunk_scan(self, pre: dict[str, torch.Tensor], h: torch.Tensor):
+        """One piece of one segment, chunk-parallel from state ``h`` (float32): (y in float32,
+        the state after it)."""
+        raise NotImplementedError
 
     # family-specific pieces
     def pre_conv(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -303,10 +428,10 @@ class Mamba2Mixer(RecurrentMixer):
 
     def pre_conv(self, x):
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_channels, self.h], dim=-1)
-        return {"z": z, "conv_in": xbc, "dt": F.softplus(dt + self.dt_bias)}
+        return {"z": z, "conv_in": xbc, "dt": F.softplus(dt.float() + self.dt_bias)}
 
     def _split(self, pre):
-        xs, bm, cm = pre["conv_out"].split([self.inner, self.n, self.n], dim=-1)
+        xs, bm, cm = pre["conv_out"].float().split([self.inner, self.n, self.n], dim=-1)
         return xs.unflatten(-1, (self.h, self.p)), bm, cm
 
     def step_inputs(self, pre):
@@ -319,6 +444,13 @@ class Mamba2Mixer(RecurrentMixer):
         h = h * inp["dA"][:, :, None, None] + inp["dtx"][:, :, :, None] * inp["B"][:, None, None, :]
         y = (h * inp["C"][:, None, None, :]).sum(-1) + self.D[:, None] * inp["x"]
         return h, y
+
+    def chunk_scan(self, pre, h):
+        xs, bm, cm = self._split(pre)
+        dt = pre["dt"]
+        y, h = chunk_ssd(xs * dt[..., None], dt * -torch.exp(self.A_log), bm, cm, MIXER_CHUNK,
+                         initial_state=h, return_state=True)
+        return y + self.D[:, None] * xs, h
 
     def post(self, y, pre):
         y = y.flatten(-2) * F.silu(pre["z"])
@@ -334,10 +466,11 @@ class Mamba2Mixer(RecurrentMixer):
         return self.post(y + self.D[:, None] * xs, pre)
 
 
-def chunk_ssd(dtx, a, bm, cm, chunk: int = 64):
+def chunk_ssd(dtx, a, bm, cm, chunk: int = 64, initial_state=None, return_state: bool = False):
     """Mamba2 scan, chunk-parallel. dtx: [B, L, H, P], a (log decay): [B, L, H], bm, cm: [B, L, N].
 
-    Returns y [B, L, H, P] with y_t = C_t . h_t and h_t = exp(a_t) h_{t-1} + dtx_t (x) B_t.
+    Returns y [B, L, H, P] with y_t = C_t . h_t and h_t = exp(a_t) h_{t-1} + dtx_t (x) B_t, from
+    ``initial_state`` h_0 ([B, H, P, N], zeros if None); with ``return_state``, (y, h_L).
     """
     b, big_l, h, p = dtx.shape
     pad = (chunk - big_l % chunk) % chunk
@@ -353,14 +486,15 @@ def chunk_ssd(dtx, a, bm, cm, chunk: int = 64):
     y = (decay * cb[:, None]) @ xh  # intra-chunk
     to_end = torch.exp(cum[..., -1:] - cum)  # [B, H, n, c]
     states = (xh * to_end[..., None]).transpose(-1, -2) @ bm[:, None]  # [B, H, n, P, N]
-    run = torch.zeros(b, h, p, bm.shape[-1])
+    run = torch.zeros(b, h, p, bm.shape[-1]) if initial_state is None else initial_state
     inter = []
     for i in range(cum.shape[2]):
         inter.append(run)
         run = run * torch.exp(cum[:, :, i, -1])[..., None, None] + states[:, :, i]
     prev = torch.stack(inter, dim=2)  # state entering each chunk [B, H, n, P, N]
     y = y + (cm[:, None] @ prev.transpose(-1, -2)) * torch.exp(cum)[..., None]
-    return y.permute(0, 2, 3, 1, 4).reshape(b, -1, h, p)[:, :big_l]
+    y = y.permute(0, 2, 3, 1, 4).reshape(b, -1, h, p)[:, :big_l]
+    return (y, run) if return_state else y
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -385,11 +519,11 @@ class GatedDeltaNetMixer(RecurrentMixer):
 
     def pre_conv(self, x):
         qkv, z, b, a = self.in_proj(x).split([self.conv_channels, self.inner, self.h, self.h], -1)
-        g = -torch.exp(self.A_log) * F.softplus(a + self.dt_bias)
-        return {"conv_in": qkv, "z": z, "beta": torch.sigmoid(b), "g": g}
+        g = -torch.exp(self.A_log) * F.softplus(a.float() + self.dt_bias)
+        return {"conv_in": qkv, "z": z, "beta": torch.sigmoid(b.float()), "g": g}
 
     def _qkv(self, pre):
-        q, k, v = pre["conv_out"].split([self.inner] * 3, dim=-1)
+        q, k, v = pre["conv_out"].float().split([self.inner] * 3, dim=-1)
         q, k, v = (t.unflatten(-1, (self.h, self.dk)) for t in (q, k, v))
         return _l2norm(q) / math.sqrt(self.dk), _l2norm(k), v
 
@@ -406,6 +540,11 @@ class GatedDeltaNetMixer(RecurrentMixer):
         y = (s * inp["q"][:, :, :, None]).sum(2)
         return s, y
 
+    def chunk_scan(self, pre, h):
+        q, k, v = self._qkv(pre)
+        return chunk_gated_delta_rule(q, k, v, pre["g"], pre["beta"], MIXER_CHUNK, state=h,
+                                      return_state=True)
+
     def post(self, y, pre):
         z = pre["z"].unflatten(-1, (self.h, self.dk))
         y = (self.norm(y) * F.silu(z)).flatten(-2)
@@ -420,10 +559,13 @@ class GatedDeltaNetMixer(RecurrentMixer):
         return self.post(y, pre)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None):
+def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None,
+                           return_state: bool = False):
     """q, k, v: [B, L, H, D]; g (log decay), beta: [B, L, H] -> y [B, L, H, Dv].
 
-    Same values as the token-by-token recurrence, computed chunk-parallel for training.
+    Same values as the token-by-token recurrence from ``state`` ([B, H, Dk, Dv], zeros if None),
+    computed chunk-parallel (training, and an extend in GPU-like numerics); with
+    ``return_state``, (y, the state after the last token).
     """
     b, big_l, h, dk = k.shape
     dv = v.shape[-1]
@@ -452,8 +594,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None):
         outs.append((qi * gi.exp()[..., None]) @ s + intra)
         to_end = (ki * (gi[..., -1:] - gi).exp()[..., None]).transpose(-1, -2)
         s = s * gi[..., -1, None, None].exp() + to_end @ v_new
-    y = torch.stack(outs, dim=2).reshape(b, h, n * chunk, dv)[:, :, :big_l]
-    return y.transpose(1, 2)
+    y = torch.stack(outs, dim=2).reshape(b, h, n * chunk, dv)[:, :, :big_l].transpose(1, 2)
+    return (y, s) if return_state else y
 
 
 def make_mixer(cfg: HybridConfig) -> RecurrentMixer:
@@ -541,14 +683,25 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, t) for t in cfg.layer_types)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mtp = MTPHead(cfg) if cfg.num_nextn_predict_layers else None
+        self.numerics = Numerics()
+
+    def set_numerics(self, numerics: Numerics) -> HybridLM:
+        """Serve in these numerics: weights cast to its dtype (the decay and skip parameters stay
+        float32)."""
+        for name, param in self.named_parameters():
+            want = torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_PARAMS else numerics.dtype
+            param.data = param.data.to(want)
+        self.numerics = numerics
+        return self
 
     # ----- training -------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _rowwise(lambda h: self.final_norm(h) @ self.embed.weight.T, hidden)
+        """Float32 logits, computed in the model's dtype (as SGLang's logits processor does)."""
+        return _rowwise(lambda h: self.final_norm(h) @ self.embed.weight.T, hidden).float()
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.mtp is not None
-        return _rowwise(lambda h: self.mtp.final_norm(h) @ self.embed.weight.T, hidden)
+        return _rowwise(lambda h: self.mtp.final_norm(h) @ self.embed.weight.T, hidden).float()
 
     def forward_train(self, ids: torch.Tensor):
         """ids [B, L] -> (target logits [B, L, V], draft logits [B, L-1, V] for token s+2)."""
@@ -574,6 +727,7 @@ class HybridLM(nn.Module):
         kv: KVAccess,
         states: SegmentStates,
         capture: list[tuple[int, int]] = (),
+        mode: str = "extend",
     ) -> SegmentOutput:
         """Run B segments (one per request) continuing from their states.
 
@@ -581,13 +735,19 @@ class HybridLM(nn.Module):
         each attention layer's new keys and values and returns every segment's full keys and
         values (see :class:`KVAccess`);
         ``states`` are the recurrent states each segment starts from. ``capture`` lists
-        (segment, k) pairs whose states after k tokens are returned as well.
+        (segment, k) pairs whose states after k tokens are returned as well. ``mode`` is the
+        forward's kind, ``extend``, ``decode`` or ``target_verify``: in GPU-like numerics an
+        extend runs the chunked forms and the rest the recurrent step, and decode attention is
+        split over the keys (in float32 everything runs the one recurrence).
         """
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        if _invariant() and lengths != [1]:
-            return self._token_by_token(ids, positions, lengths, offsets, kv, states, capture)
+        if _invariant():  # one token at a time, every one the same way: a decode step
+            mode = "decode"
+            if lengths != [1]:
+                return self._token_by_token(ids, positions, lengths, offsets, kv, states, capture)
+        gpu_like = self.numerics.gpu_kernels
         x = self.embed(ids)
         new_k, new_v, conv_out, ssm_out = [], [], [], []
         captured: dict[tuple[int, int], SegmentStates] = {c: SegmentStates([], []) for c in capture}
@@ -599,13 +759,16 @@ class HybridLM(nn.Module):
                 keys, vals = kv.store(len(new_k), k, v)
                 new_k.append(k)
                 new_v.append(v)
-                out = Attention.attend_batch(
-                    _pad_segments(q.flatten(1), offsets).unflatten(-1, q.shape[1:]),
-                    keys, vals, kv.past_lens)
+                attend = (Attention.attend_decode if gpu_like and mode == "decode"
+                          else Attention.attend_batch)
+                out = attend(_pad_segments(q.flatten(1), offsets).unflatten(-1, q.shape[1:]),
+                             keys, vals, kv.past_lens)
                 mixed = layer.mixer.o(_unpad_segments(out, lengths))
             else:
-                res = layer.mixer.scan(_pad_segments(h, offsets), lengths, states.conv[r],
-                                       states.ssm[r], list(capture))
+                scan = (layer.mixer.scan_chunked if gpu_like and mode == "extend"
+                        else layer.mixer.scan)
+                res = scan(_pad_segments(h, offsets), lengths, states.conv[r], states.ssm[r],
+                           list(capture))
                 mixed = _unpad_segments(res.out, lengths)
                 conv_out.append(res.conv)
                 ssm_out.append(res.ssm)
@@ -633,8 +796,11 @@ class HybridLM(nn.Module):
         return _merge(outs)
 
     def draft_segments(self, hidden: torch.Tensor, next_ids: torch.Tensor, lengths: list[int],
-                       states: SegmentStates, capture: list[tuple[int, int]] = ()):
-        """MTP head over pairs (hidden_s, token_{s+1}) -> (draft hidden [T, D], states, captured)."""
+                       states: SegmentStates, capture: list[tuple[int, int]] = (),
+                       mode: str = "decode"):
+        """MTP head over pairs (hidden_s, token_{s+1}) -> (draft hidden [T, D], states, captured).
+        ``mode``: ``extend`` (the draft-extend after a prefill: chunked in GPU-like numerics) or
+        ``decode`` (draft steps, and the draft-extend after a verify: recurrent)."""
         assert self.mtp is not None
         offsets = [0]
         for n in lengths:
@@ -654,8 +820,10 @@ class HybridLM(nn.Module):
             return torch.cat(hid), SegmentStates.concat(finals), captured
         x = self.mtp.fuse(hidden, self.embed(next_ids))
         block = self.mtp.block
-        res = block.mixer.scan(_pad_segments(block.norm1(x), offsets), lengths, states.conv[0],
-                               states.ssm[0], list(capture))
+        scan = (block.mixer.scan_chunked if self.numerics.gpu_kernels and mode == "extend"
+                and not _invariant() else block.mixer.scan)
+        res = scan(_pad_segments(block.norm1(x), offsets), lengths, states.conv[0], states.ssm[0],
+                   list(capture))
         x = x + _unpad_segments(res.out, lengths)
         x = x + block.mlp(block.norm2(x))
         captured = {key: SegmentStates([c[None]], [s[None]]) for key, (c, s) in res.captured.items()}
@@ -699,8 +867,9 @@ def _unpad_segments(y: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.cat([y[b, :n] for b, n in enumerate(lengths)])
 
 
-def load_model(path: str | Path) -> HybridLM:
-    """Load a model directory (config.json + model.safetensors)."""
+def load_model(path: str | Path, numerics: Numerics | None = None) -> HybridLM:
+    """Load a model directory (config.json + model.safetensors), to serve in ``numerics``
+    (default: float32)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -717,7 +886,7 @@ def load_model(path: str | Path) -> HybridLM:
     if missing or unexpected:
         raise ValueError(f"{path / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
     model.eval()
-    return model
+    return model.set_numerics(numerics) if numerics is not None else model
 
 
 def save_model(model: HybridLM, path: str | Path) -> None:

@@ -153,7 +153,7 @@ class ModelRunner:
         self.states.draft_conv[slots] = st.conv[0]
         self.states.draft_ssm[slots] = st.ssm[0]
 
-    def _run_target(self, views: list[ReqView], ids: list[list[int]], capture):
+    def _run_target(self, views: list[ReqView], ids: list[list[int]], capture, mode: str):
         lengths = [len(x) for x in ids]
         flat = torch.tensor([t for x in ids for t in x], dtype=torch.long)
         positions = torch.cat([torch.arange(v.start, v.start + n) for v, n in zip(views, lengths,
@@ -161,7 +161,7 @@ class ModelRunner:
         kv = self.kv.access([v.kv_past for v in views],
                             [v.kv_new[:n] for v, n in zip(views, lengths, strict=True)])
         out = self.model.forward_segments(flat, positions, lengths, kv,
-                                          self._gather([v.slot for v in views]), capture)
+                                          self._gather([v.slot for v in views]), capture, mode)
         return out, lengths
 
     # ---- extend ---------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class ModelRunner:
         views = fb.reqs
         ids = [v.input_ids for v in views]
         capture = [(b, length - v.start) for b, v in enumerate(views) for length, _ in v.track]
-        out, lengths = self._run_target(views, ids, capture)
+        out, lengths = self._run_target(views, ids, capture, "extend")
         slots = [v.slot for v in views]
         self._scatter(slots, out.states)
         for b, v in enumerate(views):
@@ -222,7 +222,7 @@ class ModelRunner:
         views = fb.reqs
         ids = [[self.last_token[v.rid]] for v in views]
         capture = [(b, 1) for b, v in enumerate(views) if v.track]
-        out, _ = self._run_target(views, ids, capture)
+        out, _ = self._run_target(views, ids, capture, "decode")
         self._scatter([v.slot for v in views], out.states)
         for b, v in enumerate(views):
             for _, slot in v.track:
@@ -260,11 +260,13 @@ class ModelRunner:
                                [[(length, slot, length - max(v.start - 1, 0) - 1,
                                   hidden_row(lengths, b, length - 1 - v.start, hidden))
                                  for length, slot in v.track]
-                                for b, v in enumerate(views)])
+                                for b, v in enumerate(views)], mode="extend")
 
-    def _run_draft_extend(self, views, pair_h, pair_x, pair_len, keep, tracks) -> None:
+    def _run_draft_extend(self, views, pair_h, pair_x, pair_len, keep, tracks,
+                          mode: str = "decode") -> None:
         """Draft-extend: run the MTP head over accepted pairs from each request's committed draft
-        state; snapshot it where the target was snapshotted; keep the last target hidden state."""
+        state; snapshot it where the target was snapshotted; keep the last target hidden state.
+        ``mode``: ``extend`` after a prefill, ``decode`` after a verify."""
         active = [b for b, n in enumerate(pair_len) if n > 0]
         if active:
             slots = [views[b].slot for b in active]
@@ -272,7 +274,7 @@ class ModelRunner:
             nxt = torch.tensor([t for b in active for t in pair_x[b]], dtype=torch.long)
             capture = [(i, k) for i, b in enumerate(active) for _, _, k, _ in tracks[b] if k > 0]
             _, st, captured = self.model.draft_segments(hidden, nxt, [pair_len[b] for b in active],
-                                                        self._gather_draft(slots), capture)
+                                                        self._gather_draft(slots), capture, mode)
             self._scatter_draft(slots, st)
             for i, b in enumerate(active):
                 for _, slot, k, _ in tracks[b]:
@@ -302,7 +304,7 @@ class ModelRunner:
         ids = [[x, *d] for x, d in zip(last, draft_ids, strict=True)]
         n = steps + 1
         capture = [(b, k) for b in range(len(views)) for k in range(1, n + 1)]
-        out, _ = self._run_target(views, ids, capture)
+        out, _ = self._run_target(views, ids, capture, "target_verify")
         logits = self.model.logits(out.hidden).view(len(views), n, -1)
         results = []
         committed_all = []

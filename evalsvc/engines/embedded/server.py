@@ -351,14 +351,15 @@ class Engine:
         try:
             import torch
 
-            from .model import load_model
+            from .model import Numerics, load_model
             from .tokenizer import TextTokenizer
 
             # one thread by default: the model is small and the engine overhead-bound, and with
             # several engines (or the harness) on the same cores, OpenMP's spinning threads are
             # an order of magnitude slower than one
             torch.set_num_threads(engine_threads())
-            model = load_model(self.args.model_path)
+            model = load_model(self.args.model_path,
+                               Numerics.from_args(self.args.dtype, self.args.mamba_ssm_dtype))
             tokenizer = TextTokenizer(self.args.model_path)
             self.scheduler = Scheduler(self.args, model, tokenizer)
             self.scheduler.start()

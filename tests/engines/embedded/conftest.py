@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from evalsvc.engines.embedded.args import parse_args
-from evalsvc.engines.embedded.model import load_model
+from evalsvc.engines.embedded.model import Numerics, load_model
 from evalsvc.engines.embedded.scheduler import GenerateInput, Req, SamplingParams, Scheduler
 from evalsvc.engines.embedded.tokenizer import TextTokenizer
 
@@ -22,10 +22,11 @@ class LocalEngine:
 
     def __init__(self, flags: list[str]) -> None:
         self.args = parse_args(flags, env={})
-        path = self.args.model_path
-        if path not in _models:
-            _models[path] = (load_model(path), TextTokenizer(path))
-        self.model, self.tok = _models[path]
+        path, numerics = self.args.model_path, Numerics.from_args(self.args.dtype,
+                                                                  self.args.mamba_ssm_dtype)
+        if (path, numerics) not in _models:
+            _models[(path, numerics)] = (load_model(path, numerics), TextTokenizer(path))
+        self.model, self.tok = _models[(path, numerics)]
         self.sched = Scheduler(self.args, self.model, self.tok)
         self.sched.start()
 

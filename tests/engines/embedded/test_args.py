@@ -305,7 +305,7 @@ def test_host_pool_sizes_by_hicache_size():
 
 # ---- platform limits ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("flag", "value"), [("--page-size", "2"), ("--tp-size", "2"),
-                                             ("--dp-size", "2"), ("--mamba-ssm-dtype", "bfloat16")])
+                                             ("--dp-size", "2")])
 def test_platform_limits_refused(capsys, flag, value):
     err = refused(capsys, flag, value)
     assert flag in err
