@@ -36,12 +36,12 @@ class Prompt:
 
 
 def builtin_path(name: str) -> Path:
-    if name == "demo":
-        return Path(str(resources.files("evalsvc").joinpath("assets/prompts/demo.jsonl")))
+    if name in ("demo", "heldout"):
+        return Path(str(resources.files("evalsvc").joinpath(f"assets/prompts/{name}.jsonl")))
     if name == "sharegpt":
         return _sharegpt_file()
     raise WorkloadError(f"workload.dataset: unknown builtin:{name} (known: builtin:demo, "
-                        "builtin:sharegpt)")
+                        "builtin:heldout, builtin:sharegpt)")
 
 
 def _sharegpt_file() -> Path:

@@ -56,8 +56,24 @@ def main() -> None:
                 prompts.append({"id": f"{name[:-3]}-{len(prompts):03d}", "text": snippet})
     dest = ROOT / "evalsvc" / "assets" / "prompts" / "demo.jsonl"
     dest.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    heldout = heldout_prompts(stdlib)
+    (dest.parent / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in heldout))
     print(f"corpus: {len(parts)} files, {total} chars from Python {sys.version.split()[0]}; "
-          f"{len(prompts)} demo prompts")
+          f"{len(prompts)} demo prompts, {len(heldout)} held-out prompts")
+
+
+def heldout_prompts(stdlib: Path) -> list[dict]:
+    """Every function or class of the held-out files as a prompt of 240 to 480 characters, file by
+    file (``builtin:heldout``: enough prompts for SGLang's 48 per scenario)."""
+    out = []
+    for name in HELD_OUT:
+        text = (stdlib / name).read_text(encoding="utf-8")
+        for match in re.finditer(r"^(    )?(def|class) \w+.*:\n", text, flags=re.M):
+            snippet = text[match.start(): match.start() + 480]
+            snippet = snippet[: snippet.rfind("\n") + 1]
+            if len(snippet) >= 240:
+                out.append({"id": f"{name[:-3]}-h{len(out):03d}", "text": snippet})
+    return out
 
 
 if __name__ == "__main__":
