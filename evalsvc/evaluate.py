@@ -145,7 +145,8 @@ def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
     for r in results:
         if not r.scenarios:  # invalid or failed before any scenario
             rows.append({"config": r.config, "fingerprint": r.fingerprint, "scenario": None,
-                         "kl_k3_mean": None, "kl_k3_ci": None, "hit_coverage": None,
+                         "kl_k3_mean": None, "kl_k3_ci": None, "extend_kl_k3_mean": None,
+                         "hit_coverage": None,
                          "accept_length": None, "verdict": r.verdict, "reason": r.reason,
                          "resolved_args": r.resolved_args})
             continue
@@ -155,6 +156,7 @@ def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
             rows.append({
                 "config": r.config, "fingerprint": r.fingerprint, "scenario": s.scenario,
                 "kl_k3_mean": m.get("kl_k3_mean"), "kl_k3_ci": ci,
+                "extend_kl_k3_mean": m.get("extend_kl_k3_mean"),
                 "hit_coverage": m.get("hit_coverage"), "accept_length": m.get("accept_length"),
                 "verdict": s.verdict, "reason": s.reason, "metrics": m,
                 "resolved_args": r.resolved_args})
@@ -186,8 +188,8 @@ def _json_default(obj: Any) -> Any:
 
 def results_table(results: list[RunResult], title: str) -> Table:
     table = Table(title=title)
-    for col in ("config", "scenario", "KL k3 mean [95% CI]", "hit cov.", "accept len",
-                "verdict"):
+    for col in ("config", "scenario", "KL k3 mean [95% CI]", "extend KL", "hit cov.",
+                "accept len", "verdict"):
         table.add_column(col, no_wrap=col != "config")
     style = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta",
              "error": "red"}
@@ -198,8 +200,10 @@ def results_table(results: list[RunResult], title: str) -> Table:
         acc = row["accept_length"]
         cov = row["hit_coverage"]
         verdict = row["verdict"]
+        ext = row["extend_kl_k3_mean"]
         table.add_row(row["config"], row["scenario"] or "-", kl_text,
-                      "" if cov is None else f"{cov:.2f}", "" if acc is None else f"{acc:.2f}",
+                      "" if ext is None else f"{ext:.2e}", "" if cov is None else f"{cov:.2f}",
+                      "" if acc is None else f"{acc:.2f}",
                       f"[{style.get(verdict, 'white')}]{verdict}[/]"
                       + (f" ({row['reason'][:60]})" if verdict != "pass" and row["reason"] else ""))
     return table

@@ -293,13 +293,15 @@ def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
 def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
           resolved: dict[str, Any]) -> ScenarioResult:
     """KL estimators, hit coverage, acceptance and the verdict of one scenario."""
-    per_sample_k3, rows = [], []
+    per_sample_k3, per_sample_extend, rows = [], [], []
     topk_vals, same_top, exact = [], [], []
     for s in samples:
         dec, ref = np.asarray(s.completion.logprobs), np.asarray(s.reference)
         kl = metrics.token_kl(dec, ref)
         per_sample_k3.append(kl["k3"])
-        row = sample_row(s, kl)
+        extend = metrics.token_kl(np.asarray(s.extend), np.asarray(s.extend_reference))["k3"]
+        per_sample_extend.append(extend)
+        row = sample_row(s, kl, extend)
         if s.completion.top is not None and s.reference_top is not None and len(dec):
             tk = metrics.topk_kl(s.completion.top.positions, s.reference_top.positions)
             st = metrics.same_top_token(s.completion.top.positions, s.reference_top.positions)
@@ -316,6 +318,10 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m.update({f"kl_k3_{k}": v for k, v in kl_summary.items()})
         for est in ("k1", "k2"):
             m[f"kl_{est}_mean"] = float(np.mean([r[f"kl_{est}_mean"] for r in rows]))
+    if any(len(x) for x in per_sample_extend):
+        ext = metrics.summarize_kl(per_sample_extend, seed=0)
+        m.update({f"extend_kl_k3_{k}": ext[k] for k in ("mean", "ci_low", "ci_high", "n_samples",
+                                                        "n_tokens", "p99", "max")})
     if topk_vals:
         m["topk_kl_mean"] = float(np.concatenate(topk_vals).mean())
         m["same_top_rate"] = float(np.concatenate(same_top).mean())
@@ -368,7 +374,7 @@ def scenario_limits(config: Config, matrix: MatrixFile, scenario: str):
                       accept_floor=config.accept_floor)
 
 
-def sample_row(s: Sample, kl: dict[str, np.ndarray]) -> dict[str, Any]:
+def sample_row(s: Sample, kl: dict[str, np.ndarray], extend_k3: np.ndarray) -> dict[str, Any]:
     dec, ref = np.asarray(s.completion.logprobs), np.asarray(s.reference)
     diff = np.abs(dec - ref)
     over = np.nonzero(diff > DIVERGENCE_TOL)[0]
@@ -383,6 +389,12 @@ def sample_row(s: Sample, kl: dict[str, np.ndarray]) -> dict[str, Any]:
         "kl_k3_mean": float(kl["k3"].mean()) if n else 0.0,
         "kl_k3_max": float(kl["k3"].max()) if n else 0.0,
         "first_divergence": int(over[0]) if len(over) else None,
+        # the extend: prompt tokens prefilled on the cached prefix, against the cold reference
+        "extend_tokens": len(extend_k3),
+        "extend_kl_k3_mean": float(extend_k3.mean()) if len(extend_k3) else None,
+        "extend_kl_k3_max": float(extend_k3.max()) if len(extend_k3) else None,
+        "extend_logprobs": list(s.extend),
+        "extend_reference_logprobs": list(s.extend_reference),
         "output_ids": list(s.completion.token_ids),
         "decode_logprobs": [float(x) for x in dec],
         "reference_logprobs": [float(x) for x in ref],

@@ -4,7 +4,15 @@ Every scenario starts from an empty cache (``/flush_cache``), sends its setup re
 pool pressure, a first turn), then the measured requests concurrently, each generating with
 logprobs; the reference is then computed as SGLang's tests do (flush, and a teacher-forced cold
 prefill of prompt + output) on the same server or on a reference server. A measured request counts
-as a hit when ``cached_tokens`` shows the path was taken:
+as a hit when ``cached_tokens`` shows the path was taken.
+
+Two comparisons come out of one measured request of a hit scenario. SGLang's: the generated
+tokens' logprobs (decode) against the reference's. And the *extend*: the request also asks for the
+logprobs of its prompt tokens after the cached prefix (``logprob_start_len`` at the prefix), the
+tokens prefilled right on top of the cached state, against the same positions of the cold
+reference. A state the cache got wrong shows most there, before decoding dilutes it, and both sides
+are prefills of fixed tokens: no sampling, so the clean floor is the lowest there is. (SGLang limits
+its prefix match to ``logprob_start_len``, which is the cached prefix here, so the hit is kept.)
 
 * ``cold``: nothing cached; the baseline of decode against prefill.
 * ``prefill_hit``: each prompt's first 40-70 % prefilled first (one at a time), then the whole
@@ -84,6 +92,9 @@ class Sample:
     hit: bool
     reference: list[float] = field(default_factory=list)
     reference_top: TopLogprobs | None = None
+    # the extend: logprobs of the prompt tokens after the cached prefix, and the reference's
+    extend: list[float] = field(default_factory=list)
+    extend_reference: list[float] = field(default_factory=list)
 
 
 class EngineClient:
@@ -162,17 +173,22 @@ class Context:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def payload(self, ids: list[int], i: int, *, greedy: bool = False,
-                max_new_tokens: int | None = None) -> dict:
+                max_new_tokens: int | None = None, logprob_start_len: int = -1) -> dict:
         return build_generate_payload(
             ids, max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             temperature=0.0 if greedy else self.temperature, seed=self.seed + i,
-            top_logprobs_num=TOP_K)
+            top_logprobs_num=TOP_K, logprob_start_len=logprob_start_len)
 
 
 def _measure(ctx: Context, name: str, items: list[tuple[str, list[int]]],
-             is_hit: Callable[[int, Completion], bool], greedy: bool = False) -> list[Sample]:
-    outs = ctx.client.generate_many([ctx.payload(ids, i, greedy=greedy)
-                                     for i, (_, ids) in enumerate(items)])
+             is_hit: Callable[[int, Completion], bool], greedy: bool = False,
+             prefixes: list[int] | None = None) -> list[Sample]:
+    """Generate from each item (concurrently) and add the reference. ``prefixes``: per item, the
+    cached prefix's length, from which the request asks for its prompt logprobs (the extend)."""
+    starts = prefixes or [-1] * len(items)
+    outs = ctx.client.generate_many([ctx.payload(ids, i, greedy=greedy, logprob_start_len=start)
+                                     for i, ((_, ids), start) in enumerate(zip(items, starts,
+                                                                               strict=True))])
     samples = [Sample(name, f"{name}-{i}", pid, ids, out, is_hit(i, out))
                for i, ((pid, ids), out) in enumerate(zip(items, outs, strict=True))]
     add_reference(ctx, samples)
@@ -186,6 +202,12 @@ def add_reference(ctx: Context, samples: list[Sample]) -> None:
         build_reference_payload(s.prompt_ids, s.completion.token_ids, top_logprobs_num=TOP_K)
         for s in samples])
     for s, ref in zip(samples, refs, strict=True):
+        extend = s.completion.input_logprobs  # the last len(extend) prompt positions
+        first = len(s.prompt_ids) - len(extend)
+        for got, want in zip(extend, ref.input_logprobs[first: len(s.prompt_ids)], strict=True):
+            if got is not None and want is not None:
+                s.extend.append(float(got))
+                s.extend_reference.append(float(want))
         n = len(s.completion.token_ids)
         if n == 0:
             continue
@@ -209,7 +231,8 @@ def prefill_hit(ctx: Context) -> list[Sample]:
     cuts = [min(len(ids) - 2, max(80, int(len(ids) * ctx.rng.uniform(0.4, 0.7))))
             for _, ids in ctx.prompts]
     seed(ctx, [ids[:c] for (_, ids), c in zip(ctx.prompts, cuts, strict=True)])
-    return _measure(ctx, "prefill_hit", ctx.prompts, lambda i, out: out.cached_tokens > 0)
+    return _measure(ctx, "prefill_hit", ctx.prompts, lambda i, out: out.cached_tokens > 0,
+                    prefixes=cuts)
 
 
 def seed(ctx: Context, prefixes: list[list[int]]) -> None:
@@ -230,7 +253,8 @@ def decode_hit(ctx: Context) -> list[Sample]:
         items.append((f"{pid}/turn2", ids + out.token_ids + follow))
         firsts.append(len(ids))
     return _measure(ctx, "decode_hit", items,
-                    lambda i, out: out.cached_tokens > firsts[i] + 1)
+                    lambda i, out: out.cached_tokens > firsts[i] + 1,
+                    prefixes=[len(ids) - 8 for _, ids in items])
 
 
 def branching(ctx: Context) -> list[Sample]:
@@ -239,12 +263,14 @@ def branching(ctx: Context) -> list[Sample]:
     shared = base[: max(1, len(base) * 3 // 5)]
     ctx.client.generate(ctx.payload(shared, 0, max_new_tokens=0))
     items = [(f"{base_id}+{pid}", shared + ids[len(ids) // 2:]) for pid, ids in ctx.prompts]
-    return _measure(ctx, "branching", items, lambda i, out: out.cached_tokens > 0)
+    return _measure(ctx, "branching", items, lambda i, out: out.cached_tokens > 0,
+                    prefixes=[len(shared)] * len(items))
 
 
 def host_tier(ctx: Context) -> list[Sample]:
     ctx.client.flush()
-    seed(ctx, [ids[: max(1, int(len(ids) * 0.6))] for _, ids in ctx.prompts])
+    seeded = [max(1, int(len(ids) * 0.6)) for _, ids in ctx.prompts]
+    seed(ctx, [ids[:n] for (_, ids), n in zip(ctx.prompts, seeded, strict=True)])
     # push the seeded prefixes out of device memory: other token sequences, about twice the pool
     budget = 2 * (ctx.max_total_tokens or 4096)
     pressure, used, k = [], 0, 0
@@ -256,7 +282,8 @@ def host_tier(ctx: Context) -> list[Sample]:
         k += 1
     for seq in pressure:  # one at a time, so eviction order follows recency
         ctx.client.generate(ctx.payload(seq, 0, max_new_tokens=0))
-    return _measure(ctx, "host_tier", ctx.prompts, lambda i, out: out.host_cached_tokens > 0)
+    return _measure(ctx, "host_tier", ctx.prompts, lambda i, out: out.host_cached_tokens > 0,
+                    prefixes=seeded)
 
 
 def speculative(ctx: Context) -> list[Sample]:

@@ -7,10 +7,16 @@ scenario overrides the fields it sets (later rules win). ``match`` keys: ``matri
 ``overlap``, ``chunked_prefill``, ``hicache``, ``mtp``, ``deterministic``); a list means any of. A
 matrix may carry its own ``thresholds`` and per-model ``accept_floor``, applied last.
 
+Metrics: ``kl_k3_mean`` (the generated tokens against the reference: SGLang's method),
+``extend_kl_k3_mean`` (the prompt tokens prefilled on a cached prefix against a cold prefill; hit
+scenarios only) and ``accept_length`` (speculative decoding).
+
 Per metric: ``max`` / ``min`` are fixed limits (a value beyond one is a regression whatever the
 history says); ``min_effect`` and ``relative_effect`` are the smallest change against the baseline
 that the history test calls a regression (the larger of ``min_effect`` and ``relative_effect`` x the
-baseline mean): a difference must be both statistically clear and this large. ``bit_exact: true``
+baseline mean): a difference must be both statistically clear and this large; ``tail: true`` adds
+the history's tail test (a few samples far out, each beyond that floor), for metrics whose clean
+spread has no sampling in it. ``bit_exact: true``
 (deterministic inference) makes any nonzero KL and any token that differs from the reference a
 regression.
 """
@@ -44,20 +50,25 @@ class MetricLimits(Strict):
     min: float | None = None
     min_effect: float | None = Field(None, ge=0)
     relative_effect: float | None = Field(None, ge=0)
+    tail: bool | None = None
+
+
+METRIC_NAMES = ("kl_k3_mean", "extend_kl_k3_mean", "accept_length")
 
 
 class RuleBody(Strict):
     kl_k3_mean: MetricLimits | None = None
+    extend_kl_k3_mean: MetricLimits | None = None
     accept_length: MetricLimits | None = None
     min_hit_coverage: float | None = Field(None, ge=0, le=1)
     bit_exact: bool | None = None
 
-    @field_validator("kl_k3_mean", "accept_length", mode="before")
+    @field_validator(*METRIC_NAMES, mode="before")
     @classmethod
     def _number_is_limit(cls, value: Any, info) -> Any:
         """``kl_k3_mean: 1e-8`` is short for ``{max: 1e-8}`` (``{min: ...}`` for acceptance)."""
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return {"max" if info.field_name == "kl_k3_mean" else "min": value}
+            return {"min" if info.field_name == "accept_length" else "max": value}
         return value
 
 
@@ -97,6 +108,7 @@ class Limits(BaseModel):
     """The thresholds in force for one config and scenario, after every rule that matched."""
 
     kl_k3_mean: MetricLimits = Field(default_factory=MetricLimits)
+    extend_kl_k3_mean: MetricLimits = Field(default_factory=MetricLimits)
     accept_length: MetricLimits = Field(default_factory=MetricLimits)
     min_hit_coverage: float = 0.0
     bit_exact: bool = False
@@ -141,7 +153,7 @@ def matches(match: dict[str, Any], facts: dict[str, Any]) -> bool:
 
 
 def _apply(limits: Limits, body: RuleBody) -> None:
-    for metric in ("kl_k3_mean", "accept_length"):
+    for metric in METRIC_NAMES:
         given: MetricLimits | None = getattr(body, metric)
         if given is not None:
             current: MetricLimits = getattr(limits, metric)

@@ -8,11 +8,18 @@ A metric is judged in this order, and the first rule that decides wins:
 2. fixed limits (``configs/thresholds.yaml``): bit-exactness under deterministic inference, the KL
    maximum, the acceptance floor;
 3. history: the contender's per-sample values against those of the fingerprint's earlier runs
-   (same patch set, before it in commit order, not themselves flagged): per sample (the same
-   prompt), the contender's value minus the baseline runs' mean for it, and Student's interval on
-   the mean difference (Welch's between the groups when samples cannot be paired); a regression
-   needs the interval to exclude no change (statistically clear) and the difference to exceed the
-   effect floor (large enough to matter); an improvement the same the other way;
+   (same patch set, before it in commit order, not themselves flagged), which share its prompts
+   and seeds (``metrics.stats.paired_shift``):
+
+   * location: per sample (the same prompt), the contender's value minus the baseline runs' mean
+     for it, and Student's interval on the mean difference, for KL on the log scale (Welch's
+     between the groups when samples cannot be paired); a regression needs the interval to
+     exclude no change (statistically clear) and the mean difference to exceed the effect floor
+     (large enough to matter); an improvement the same the other way;
+   * tail, for metrics whose thresholds ask for it (teacher-forced extend KL, greedy
+     acceptance): samples far beyond the rest in the bad direction (robust z past a Bonferroni
+     bound), each by more than the effect floor, are a regression too: a bug that strikes a few
+     requests hard moves no mean;
 4. change point: the series of per-run values, the contender last, searched for one lasting shift
    in the mean (a permutation test); a significant shift of at least the effect floor in the bad
    direction, with the contender after it, is a regression too.
@@ -38,7 +45,7 @@ from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
 from evalsvc.harness import worst
-from evalsvc.metrics.stats import change_point, paired_t_interval, welch_difference
+from evalsvc.metrics.stats import change_point, paired_shift
 from evalsvc.store.models import (
     Build,
     Commit,
@@ -55,8 +62,10 @@ log = logging.getLogger("evalsvc.verdicts")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # metric -> +1 when higher is worse, -1 when lower is worse
-METRICS = {"kl_k3_mean": 1, "accept_length": -1}
-LABELS = {"kl_k3_mean": "mean KL (k3)", "accept_length": "accept length"}
+METRICS = {"kl_k3_mean": 1, "extend_kl_k3_mean": 1, "accept_length": -1}
+LABELS = {"kl_k3_mean": "mean KL (k3)", "extend_kl_k3_mean": "extend KL (k3)",
+          "accept_length": "accept length"}
+LOG_SCALE = {"kl_k3_mean", "extend_kl_k3_mean"}  # positive, heavy-tailed, multiplied by a bug
 
 
 @dataclass
@@ -102,8 +111,8 @@ def judge_metric(scenario: str, metric: str, value: float | None, samples: dict[
         j.reason = f"hit coverage {coverage:.2f} below {need:.2f}: the cache path was not exercised"
         return j
     lim = getattr(limits, metric)
-    if metric == "kl_k3_mean" and limits.bit_exact:
-        exact = 1.0 if exact_fraction is None else exact_fraction
+    if sign > 0 and limits.bit_exact:
+        exact = 1.0 if exact_fraction is None or metric != "kl_k3_mean" else exact_fraction
         j.method, j.threshold, j.evidence = "bit_exact", 0.0, {"bit_exact_fraction": exact}
         if value > 0 or exact < 1.0:
             j.verdict = "regression"
@@ -136,25 +145,48 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
     if len(samples) < 2 or base.size < 2:
         j.evidence["history"] = f"too few samples ({len(samples)} against {base.size})"
         return j
-    diff, low, high, p, test, pairs = difference(samples, window, settings.confidence)
+    lim = getattr(limits, j.metric)
+    log_floor = tail_floor = None
+    if j.metric in LOG_SCALE:  # values far below the smallest change that matters are alike
+        least = max(lim.min_effect or 0.0, 1e-30)
+        log_floor = max(float(np.median(base)), least)
+        tail_floor = max(float(np.quantile(base, 0.1)), least)
+    shift = paired_shift(samples, window, confidence=settings.confidence, log_floor=log_floor,
+                         tail=sign if lim.tail else 0, tail_floor=tail_floor)
     floor = limits.effect_floor(j.metric, float(base.mean()))
     j.method, j.baseline = "history", float(np.mean(history.values[-settings.window:]))
-    j.diff_low, j.diff_high, j.threshold, j.p_value = low, high, floor, p
-    j.evidence.update({"baseline_runs": base_runs, "n": len(samples), "pairs": pairs,
+    j.diff_low, j.diff_high, j.threshold, j.p_value = shift.low, shift.high, floor, shift.p
+    j.evidence.update({"baseline_runs": base_runs, "n": len(samples), "pairs": shift.n,
                        "n_baseline": int(base.size), "confidence": settings.confidence,
-                       "test": test, "diff": diff})
-    worse_low, worse_high = (low, high) if sign > 0 else (-high, -low)
-    worse = sign * diff
+                       "test": "paired_t" if shift.test == "paired" else shift.test,
+                       "scale": shift.scale, "diff": shift.diff,
+                       "location_interval": [shift.location_low, shift.location_high]})
+    worse_low = shift.location_low if sign > 0 else -shift.location_high
+    better_high = shift.location_high if sign > 0 else -shift.location_low
+    worse = sign * shift.diff
     if worse_low > 0 and worse > floor:
         j.verdict = "regression"
         j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g} over {len(base_runs)} "
-                    f"earlier runs: difference [{low:.3g}, {high:.3g}] at "
+                    f"earlier runs: difference [{shift.low:.3g}, {shift.high:.3g}] at "
                     f"{settings.confidence:.1%}, a change beyond the effect floor {floor:.3g}")
         return j
-    if worse_high < 0 and -worse > floor:
+    if shift.tail_p is not None:
+        far = [o for o in shift.outliers if sign * (o[1] - o[2]) > floor]
+        j.evidence["tail"] = {"p_value": shift.tail_p, "z_bound": shift.tail_z,
+                              "outliers": [list(o) for o in far[:10]]}
+        if far and shift.tail_p <= 1.0 - settings.confidence:
+            sid, c, b, z = max(far, key=lambda o: o[3])
+            j.verdict, j.p_value = "regression", shift.tail_p
+            j.evidence["test"] = "tail"
+            j.reason = (f"{label}: {len(far)} of {shift.n} samples far beyond their baseline "
+                        f"(the farthest, {sid}: {c:.3g} against {b:.3g}, z = {z:.1f} past "
+                        f"{shift.tail_z:.1f}; p = {shift.tail_p:.2g}), each beyond the effect "
+                        f"floor {floor:.3g}")
+            return j
+    if better_high < 0 and -worse > floor:
         j.verdict = "improvement"
         j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g}: difference "
-                    f"[{low:.3g}, {high:.3g}]")
+                    f"[{shift.low:.3g}, {shift.high:.3g}]")
         return j
     series = [*history.values[-(settings.change_point_window - 1):], j.value]
     if len(series) >= settings.change_point_min_runs:
@@ -172,28 +204,6 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
                 j.reason = (f"{label} shifted from {cp['before']:.4g} to {cp['after']:.4g} "
                             f"{len(series) - cp['index']} runs ago (p = {cp['p_value']:.2g})")
     return j
-
-
-def difference(contender: dict[str, float], baseline: list[dict[str, float]], confidence: float
-               ) -> tuple[float, float, float, float, str, int]:
-    """The contender's mean against the baseline runs': ``(diff, low, high, p, test, pairs)``.
-
-    Runs of one fingerprint share their prompts (the sample ids), so the sharper test pairs them:
-    per sample, the contender's value minus the mean of the baseline runs' values for that sample,
-    and Student's interval on the mean difference. Without two shared samples, Welch's interval
-    between the two groups of values."""
-    pooled: dict[str, list[float]] = {}
-    for run in baseline:
-        for sample_id, v in run.items():
-            pooled.setdefault(sample_id, []).append(v)
-    shared = [k for k in contender if k in pooled]
-    if len(shared) >= 2:
-        d = [contender[k] - float(np.mean(pooled[k])) for k in shared]
-        diff, low, high, p = paired_t_interval(d, confidence)
-        return diff, low, high, p, "paired_t", len(shared)
-    diff, low, high, p = welch_difference(list(contender.values()),
-                                          [v for vs in pooled.values() for v in vs], confidence)
-    return diff, low, high, p, "welch", 0
 
 
 # ---- the store side --------------------------------------------------------------------------
@@ -301,8 +311,9 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
                                              .where(Metric.run_id == run_id)):
         metrics.setdefault(scen, {})[name] = value
     samples: dict[tuple[str, str], dict[str, float]] = {}
-    for row in session.execute(select(Sample.scenario, Sample.sample_id, Sample.kl_k3_mean,
-                                      Sample.accept_length).where(Sample.run_id == run_id)):
+    for row in session.execute(select(Sample.scenario, Sample.sample_id,
+                                      *(getattr(Sample, m) for m in METRICS))
+                               .where(Sample.run_id == run_id)):
         for metric in METRICS:
             v = getattr(row, metric)
             if v is not None:

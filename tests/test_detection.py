@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from benchmarks.detection import WHERE
 from evalsvc.engines.base import EngineSpec
 from evalsvc.evaluate import evaluate, prepare, summary_rows
 from evalsvc.matrix import load_matrix
@@ -19,33 +20,8 @@ from evalsvc.matrix import load_matrix
 pytestmark = pytest.mark.slow
 
 # (config, scenario) pairs that must fail with each defect, and pairs that may also fail because
-# they take the same path for some prompts (their hits can land on the corrupted states too).
-# Everything else must pass.
-EXPECTED = {
-    "snapshot-race": {
-        "must": {("mamba2-eb-ov-c64", "prefill_hit"), ("gdn-eb-ov-c64", "prefill_hit")},
-        "may": {("mamba2-eb-ov-c64", "branching"), ("gdn-eb-ov-c64", "branching")},
-    },
-    "deferred-ops-dropped": {
-        "must": {("mamba2-nb-sync-c64", "prefill_hit"), ("gdn-nb-sync-c64-hicache", "prefill_hit")},
-        # chunked no_buffer requests that hit a prefix: seeds of later turns, branches, host hits,
-        # and "cold" requests that happen to share a chunk-sized prefix
-        "may": {(c, s) for c in ("mamba2-nb-sync-c64", "gdn-nb-sync-c64-hicache")
-                for s in ("cold", "decode_hit", "branching", "host_tier")},
-    },
-    "stale-spec-metadata": {
-        # acts when the extend that first runs a request also ends its prefill: unchunked prompts
-        "must": {("gdn-nb-sync-nochunk-mtp", "speculative")},
-        "may": set(),
-    },
-    "host-load-race": {
-        "must": {("mamba2-eb-sync-nochunk-hicache", "host_tier"),
-                 ("gdn-nb-sync-c64-hicache", "host_tier")},
-        # the small device pools also overflow into the host tier in the other scenarios
-        "may": {(c, s) for c in ("mamba2-eb-sync-nochunk-hicache", "gdn-nb-sync-c64-hicache")
-                for s in ("prefill_hit", "decode_hit", "branching")},
-    },
-}
+# they take the same path for some prompts; everything else must pass (benchmarks/detection.py)
+EXPECTED = WHERE
 
 
 def run_smoke(tmp_path: Path, defect: str | None) -> list[dict]:

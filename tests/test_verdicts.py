@@ -214,3 +214,74 @@ def test_pairing_by_prompt_sees_a_drop_that_prompt_to_prompt_spread_hides():
                             {f"other-{i}": float(v) for i, v in enumerate(contender)}, KL,
                             hist, HS)
     assert (unpaired.verdict, unpaired.evidence["test"]) == ("pass", "welch")
+
+
+# ---- the tail test (extend KL, greedy acceptance) --------------------------------------------
+
+EXTEND = Limits(extend_kl_k3_mean=MetricLimits(max=1e-2, min_effect=1e-6, relative_effect=0.5,
+                                               tail=True))
+
+
+def extend_history(rng, level, n_runs=4):
+    s = Series()
+    for i in range(n_runs):
+        x = level * np.exp(rng.normal(0, 0.2, level.size))
+        s.run_ids.append(i + 1)
+        s.values.append(float(x.mean()))
+        s.samples.append(by_id(x))
+    return s
+
+
+def test_a_few_requests_struck_hard_are_a_tail_regression_the_mean_test_misses():
+    """Two of 48 requests whose extend KL is 200 times their usual: the location test does not
+    see it (on the log scale two samples of 48 move the mean little), the tail test flags both."""
+    rng = np.random.default_rng(20)
+    level = np.exp(rng.normal(np.log(2e-5), 0.7, 48))
+    hist = extend_history(rng, level)
+    clean = level * np.exp(rng.normal(0, 0.2, 48))
+    j = judge(clean, hist=hist, metric="extend_kl_k3_mean", limits=EXTEND)
+    assert (j.verdict, j.method) == ("pass", "history") and j.evidence["tail"]["outliers"] == []
+    struck = clean.copy()
+    struck[[5, 30]] *= 200
+    j = judge(struck, hist=hist, metric="extend_kl_k3_mean", limits=EXTEND)
+    assert (j.verdict, j.method, j.evidence["test"]) == ("regression", "history", "tail"), j
+    assert {o[0] for o in j.evidence["tail"]["outliers"]} == {"s005", "s030"}
+    assert "2 of 48 samples far beyond their baseline" in j.reason
+    # without the tail test, the mean alone does not say so
+    plain = Limits(extend_kl_k3_mean=EXTEND.extend_kl_k3_mean.model_copy(update={"tail": False}))
+    assert judge(struck, hist=hist, metric="extend_kl_k3_mean", limits=plain).verdict == "pass"
+
+
+def test_tail_samples_below_the_effect_floor_do_not_count():
+    """A deterministic engine repeats itself exactly: a sample that moved is far out, but a move
+    smaller than the effect floor is rounding, not a bug."""
+    hist = Series()
+    level = np.linspace(1e-13, 5e-13, 16)
+    for i in range(3):
+        hist.run_ids.append(i + 1)
+        hist.values.append(float(level.mean()))
+        hist.samples.append(by_id(level))
+    limits = Limits(extend_kl_k3_mean=MetricLimits(max=1e-8, min_effect=1e-9, tail=True))
+    moved = level.copy()
+    moved[3] = 8e-13
+    j = judge(moved, hist=hist, metric="extend_kl_k3_mean", limits=limits)
+    assert j.verdict == "pass" and j.evidence["tail"]["outliers"] == []
+    moved[3] = 5e-9
+    j = judge(moved, hist=hist, metric="extend_kl_k3_mean", limits=limits)
+    assert (j.verdict, j.evidence["test"]) == ("regression", "tail")
+
+
+def test_greedy_acceptance_that_drops_for_some_prompts_is_a_tail_regression():
+    rng = np.random.default_rng(21)
+    level = rng.uniform(1.5, 2.8, 48)
+    hist = Series()
+    for i in range(3):  # greedy, one request at a time: every run repeats the last exactly
+        hist.run_ids.append(i + 1)
+        hist.values.append(float(level.mean()))
+        hist.samples.append(by_id(level))
+    limits = Limits(accept_length=MetricLimits(min_effect=0.02, relative_effect=0.03, tail=True))
+    dropped = level.copy()
+    dropped[[2, 9, 11, 40]] -= 0.3
+    j = judge(dropped, hist=hist, metric="accept_length", scenario="speculative", limits=limits)
+    assert (j.verdict, j.evidence["test"]) == ("regression", "tail"), j
+    assert len(j.evidence["tail"]["outliers"]) == 4

@@ -35,9 +35,10 @@ templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
 router = APIRouter(dependencies=[Depends(require_read)], include_in_schema=False,
                    default_response_class=HTMLResponse)
 
-TREND_METRICS = ("kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99", "kl_k3_max", "topk_kl_mean",
-                 "same_top_rate", "hit_coverage", "accept_length")
-LOG_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99", "kl_k3_max", "topk_kl_mean"}
+TREND_METRICS = ("kl_k3_mean", "extend_kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99",
+                 "kl_k3_max", "topk_kl_mean", "same_top_rate", "hit_coverage", "accept_length")
+LOG_METRICS = {"kl_k3_mean", "extend_kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99",
+               "kl_k3_max", "topk_kl_mean"}
 FINISHED = ("done", "failed", "cancelled")
 LOG_TAIL_BYTES = 8_000
 PAGE_SIZE = 100

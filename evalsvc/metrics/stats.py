@@ -8,7 +8,8 @@ distribution only and carry no interval. Units are those of the input (nats for 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -283,3 +284,101 @@ def paired_t_interval(differences: np.ndarray | Sequence[float], confidence: flo
     half = float(sps.t.ppf(0.5 + confidence / 2.0, d.size - 1)) * se
     p = float(2.0 * sps.t.sf(abs(mean) / se, d.size - 1))
     return mean, mean - half, mean + half, p
+
+
+@dataclass(frozen=True)
+class Shift:
+    """How a contender's per-sample values moved against the same samples' baseline values
+    (``paired_shift``). Differences are contender minus baseline."""
+
+    test: str  # "paired" (one value per shared sample) or "welch" (two groups)
+    n: int  # samples paired (0 for welch)
+    diff: float  # mean difference, in the values' units
+    low: float  # Student's (Welch's) interval on ``diff`` at the confidence, values' units
+    high: float
+    p: float  # two-sided p-value of the location test, on ``scale``
+    scale: str  # "log" (the location test on log(value + floor)) or "linear"
+    location_low: float  # the location test's interval on ``scale``: what decides clarity
+    location_high: float
+    # the tail test: samples far out on one side, (sample id, contender, baseline mean, z)
+    outliers: tuple[tuple[str, float, float, float], ...] = ()
+    tail_p: float | None = None  # Bonferroni p-value of the largest z (None: not tested)
+    tail_z: float | None = None  # the z a sample must pass to be flagged
+
+
+def paired_shift(contender: Mapping[str, float], baseline: Sequence[Mapping[str, float]], *,
+                 confidence: float = 0.999, log_floor: float | None = None,
+                 tail: int = 0, tail_floor: float | None = None,
+                 min_tail_samples: int = 5) -> Shift:
+    """Compare a contender's per-sample values (sample id -> value) with those of baseline runs.
+
+    Runs of one fingerprint, and both builds of a comparison, share their prompts and seeds, so
+    the same sample id names the same prompt on both sides. Per shared sample: the contender's
+    value minus the mean of the baseline runs' values for it.
+
+    * Location (a shift of the whole): Student's interval on the mean paired difference. With
+      ``log_floor`` it runs on ``log(value + log_floor)``: KL values are positive and heavy-tailed
+      (one sampled token of low probability can make a sample's KL hundreds of times its usual
+      size), and a bug multiplies them; on the log scale a few wild samples do not swamp it, and
+      values far below the floor count as equal. ``diff``/``low``/``high`` are reported in the
+      values' own units either way.
+    * Tail (a few samples far out, as a bug that strikes some requests makes them), when ``tail``
+      is +1 (high is worse) or -1: each paired difference (on ``log(value + tail_floor)`` for log
+      values: a floor below most values, or the differences of the small ones, squeezed by a
+      floor they are under, would make the spread look narrower than the large ones' is) against
+      their median, in units of a robust spread (1.4826 x the median absolute deviation, of the contender's
+      differences or, when it is larger, of the baseline runs' own leave-one-out differences);
+      samples beyond the one-sided Bonferroni bound for ``1 - confidence`` over the samples are
+      ``outliers``. Only for values whose clean spread has no sampling in it (teacher-forced
+      logprobs, greedy acceptance): sampled ones have heavy tails of their own.
+
+    Without two shared samples: Welch's interval between the two groups of values (no tail test).
+    """
+    pooled: dict[str, list[float]] = {}
+    for run in baseline:
+        for sample_id, value in run.items():
+            pooled.setdefault(sample_id, []).append(value)
+    shared = [k for k in contender if k in pooled]
+    if len(shared) < 2:
+        diff, low, high, p = welch_difference(list(contender.values()),
+                                              [v for vs in pooled.values() for v in vs], confidence)
+        return Shift("welch", 0, diff, low, high, p, "linear", low, high)
+
+    def scaled(x: np.ndarray) -> np.ndarray:
+        return np.log(x + log_floor) if log_floor is not None else x
+
+    c = np.array([contender[k] for k in shared], dtype=np.float64)
+    base = [np.asarray(pooled[k], dtype=np.float64) for k in shared]
+    b_mean = np.array([b.mean() for b in base])
+    d = scaled(c) - np.array([scaled(b).mean() for b in base])
+    diff, low, high, _ = paired_t_interval(c - b_mean, confidence)
+    _, loc_low, loc_high, p = paired_t_interval(d, confidence)
+    shift = Shift("paired", len(shared), diff, low, high, p,
+                  "log" if log_floor is not None else "linear", loc_low, loc_high)
+    if tail == 0 or len(shared) < min_tail_samples:
+        return shift
+    from scipy import stats as sps
+
+    if log_floor is not None and tail_floor is not None:
+        def scaled(x: np.ndarray) -> np.ndarray:
+            return np.log(x + tail_floor)
+
+        d = scaled(c) - np.array([scaled(b).mean() for b in base])
+    w = tail * d
+    spread = _robust_spread(w)
+    loo = [tail * (scaled(b[j: j + 1])[0] - np.delete(scaled(b), j).mean())
+           for b in base if b.size >= 2 for j in range(b.size)]
+    if len(loo) >= min_tail_samples:
+        spread = max(spread, _robust_spread(np.asarray(loo)))
+    z = (w - np.median(w)) / max(spread, 1e-12)
+    bound = float(sps.norm.isf((1.0 - confidence) / len(shared)))
+    outliers = tuple((shared[i], float(c[i]), float(b_mean[i]), float(z[i]))
+                     for i in np.flatnonzero(z > bound))
+    tail_p = min(1.0, len(shared) * float(sps.norm.sf(z.max())))
+    return replace(shift, outliers=outliers, tail_p=tail_p, tail_z=bound)
+
+
+def _robust_spread(x: np.ndarray) -> float:
+    """1.4826 x the median absolute deviation: the standard deviation for normal data, unmoved
+    by a few wild values."""
+    return float(1.4826 * np.median(np.abs(x - np.median(x))))

@@ -181,6 +181,10 @@ class Sample(Base):
     same_top_rate: Mapped[float | None] = mapped_column(Float)
     first_divergence: Mapped[int | None] = mapped_column(Integer)
     accept_length: Mapped[float | None] = mapped_column(Float)
+    # the extend: prompt tokens prefilled on the cached prefix, against the cold reference
+    extend_tokens: Mapped[int | None] = mapped_column(Integer)
+    extend_kl_k3_mean: Mapped[float | None] = mapped_column(Float)
+    extend_kl_k3_max: Mapped[float | None] = mapped_column(Float)
 
 
 class GoldenRun(Base):

@@ -25,7 +25,8 @@ from evalsvc.store.models import (
     utcnow,
 )
 
-SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length"}
+SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length",
+                  "extend_kl_k3_mean"}
 
 
 def metric_history(session: Session, metric: str = "kl_k3_mean", *, fingerprint: str | None = None,

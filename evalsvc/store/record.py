@@ -22,9 +22,13 @@ from evalsvc.types import RunResult
 
 SAMPLE_FIELDS = ("prompt_id", "prompt_tokens", "cached_tokens", "host_cached_tokens",
                  "completion_tokens", "hit", "kl_k1_mean", "kl_k2_mean", "kl_k3_mean", "kl_k3_max",
-                 "topk_kl_mean", "same_top_rate", "first_divergence", "accept_length")
+                 "topk_kl_mean", "same_top_rate", "first_divergence", "accept_length",
+                 "extend_tokens", "extend_kl_k3_mean", "extend_kl_k3_max")
 TOKEN_FIELDS = ("output_ids", "decode_logprobs", "reference_logprobs", "decode_top_ids",
-                "decode_top_logprobs", "reference_top_ids", "reference_top_logprobs")
+                "decode_top_logprobs", "reference_top_ids", "reference_top_logprobs",
+                "extend_logprobs", "extend_reference_logprobs")
+# scenario metrics whose interval and sample count go on the row of their mean
+INTERVALS = ("kl_k3", "extend_kl_k3")
 
 
 @dataclass
@@ -102,19 +106,21 @@ def _number(value: Any) -> float | None:
 
 
 def metric_rows(scenario: str, metrics: dict[str, Any]) -> list[Metric]:
-    """Scalar metrics of one scenario; the KL mean carries its interval and sample count."""
+    """Scalar metrics of one scenario; the KL means carry their interval and sample count."""
     rows = []
+    carried = {f"{p}_{k}" for p in INTERVALS for k in ("ci_low", "ci_high", "n_samples")}
     for name, value in metrics.items():
-        if name in ("kl_k3_ci_low", "kl_k3_ci_high", "kl_k3_n_samples"):
+        if name in carried:
             continue
         v = _number(value)
         if v is None and value is not None:
             continue
         row = Metric(scenario=scenario, name=name, value=v)
-        if name == "kl_k3_mean":
-            row.ci_low = _number(metrics.get("kl_k3_ci_low"))
-            row.ci_high = _number(metrics.get("kl_k3_ci_high"))
-            n = metrics.get("kl_k3_n_samples")
+        prefix = name.removesuffix("_mean")
+        if prefix in INTERVALS and name.endswith("_mean"):
+            row.ci_low = _number(metrics.get(f"{prefix}_ci_low"))
+            row.ci_high = _number(metrics.get(f"{prefix}_ci_high"))
+            n = metrics.get(f"{prefix}_n_samples")
             row.count = int(n) if n is not None else None
         rows.append(row)
     return rows

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from evalsvc.metrics import bootstrap_mean_ci, paired_difference_ci, percentiles, summarize_kl
-from evalsvc.metrics.stats import PERCENTILES
+from evalsvc.metrics.stats import PERCENTILES, paired_shift
 
 
 def test_bootstrap_basic_properties() -> None:
@@ -160,3 +160,56 @@ def test_batched_paired_intervals_equal_one_call_each():
     single = [stats_mod.paired_difference_ci(a, b, confidence=0.9, n_boot=500) for a, b in pairs]
     for got, want in zip(batched, single, strict=True):
         assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+# ---- paired_shift: location and tail ---------------------------------------------------------
+
+def _runs(rng, level, n_runs, noise):
+    """Per-prompt KL levels (log-normal across prompts) with multiplicative run-to-run noise."""
+    return [{f"p{i}": float(v) for i, v in enumerate(level * np.exp(rng.normal(0, noise, level.size)))}
+            for _ in range(n_runs)]
+
+
+def test_paired_shift_location_on_the_log_scale_sees_a_multiplied_kl():
+    rng = np.random.default_rng(0)
+    level = np.exp(rng.normal(np.log(3e-5), 1.0, 48))  # prompts differ tenfold and more
+    base = _runs(rng, level, 5, 0.3)
+    same = paired_shift(_runs(rng, level, 1, 0.3)[0], base, log_floor=3e-5)
+    assert same.test == "paired" and same.n == 48 and same.scale == "log"
+    assert same.location_low < 0 < same.location_high and same.p > 0.001
+    double = paired_shift({k: 2 * v for k, v in _runs(rng, level, 1, 0.3)[0].items()}, base,
+                          log_floor=3e-5)
+    assert double.location_low > 0.2 and double.p < 1e-6 and double.diff > 0
+
+
+def test_paired_shift_tail_flags_a_few_samples_a_mean_does_not_move():
+    rng = np.random.default_rng(1)
+    level = np.exp(rng.normal(np.log(1e-5), 0.8, 48))
+    base = _runs(rng, level, 4, 0.2)
+    contender = _runs(rng, level, 1, 0.2)[0]
+    clean = paired_shift(contender, base, log_floor=1e-5, tail=1, tail_floor=1e-7)
+    assert clean.outliers == () and clean.tail_p > 0.001
+    # a floor near the median squeezes the small samples' differences: the spread looks narrow
+    assert paired_shift(contender, base, log_floor=1e-5, tail=1).outliers != ()
+    struck = dict(contender, p3=contender["p3"] * 300, p17=contender["p17"] * 80)
+    hit = paired_shift(struck, base, log_floor=1e-5, tail=1, tail_floor=1e-7)
+    assert hit.location_low < 0  # two samples of 48: the location test cannot tell
+    assert {o[0] for o in hit.outliers} == {"p3", "p17"} and hit.tail_p < 1e-6
+    assert all(o[3] > hit.tail_z for o in hit.outliers)
+    # the other direction is not a tail of this side
+    assert paired_shift(struck, base, log_floor=1e-5, tail=-1, tail_floor=1e-7).outliers == ()
+
+
+def test_paired_shift_without_noise_any_repeatable_change_is_an_outlier():
+    """Bit-identical runs (a deterministic engine, the same seeds) have no spread: one sample
+    that moved is far out (the verdict's effect floor then says whether it matters)."""
+    base = [{f"p{i}": 2.0 + i / 100 for i in range(10)} for _ in range(3)]
+    assert paired_shift(base[0], base, tail=-1).outliers == ()
+    moved = dict(base[0], p4=1.8)
+    out = paired_shift(moved, base, tail=-1)
+    assert [o[0] for o in out.outliers] == ["p4"] and out.scale == "linear"
+
+
+def test_paired_shift_falls_back_to_welch_without_shared_samples():
+    out = paired_shift({"a": 1.0, "b": 1.2}, [{"c": 1.0, "d": 1.1}], tail=1)
+    assert (out.test, out.n, out.tail_p) == ("welch", 0, None)

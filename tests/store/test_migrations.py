@@ -39,7 +39,7 @@ def test_upgrade_to_head_and_downgrade_to_base(db_url, engines):
     assert current(db_url) is None
     assert tables(db_url, engines) == set()
     upgrade(db_url)
-    assert current(db_url) == head(db_url) == "0004"
+    assert current(db_url) == head(db_url) == "0005"
     assert tables(db_url, engines) == MODEL_TABLES
     upgrade(db_url)  # at head already: nothing to do
     assert current(db_url) == head(db_url)
