@@ -29,7 +29,7 @@ from evalsvc.logs import log_context
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, Verdict, utcnow
-from evalsvc.verdicts import METRICS
+from evalsvc.verdicts import METRICS, POOLED
 
 log = logging.getLogger("evalsvc.bisect")
 FINISHED = ("done", "failed", "cancelled")
@@ -96,8 +96,11 @@ class Bisector:
         for key in ("repository", "good", "bad", "config", "scenario"):
             if not fields.get(key):
                 raise JobError(f"{key}: required (or give a regression_id)")
-        if fields["scenario"] not in SCENARIOS:
-            raise JobError(f"scenario: unknown {fields['scenario']!r} (known: {', '.join(SCENARIOS)})")
+        if fields["scenario"] not in (*SCENARIOS, POOLED):
+            raise JobError(f"scenario: unknown {fields['scenario']!r} (known: "
+                           f"{', '.join((*SCENARIOS, POOLED))})")
+        if fields["scenario"] == POOLED and fields["metric"] is None:
+            raise JobError(f"metric: required with scenario {POOLED!r} (its verdicts are per metric)")
         if fields["metric"] is not None and fields["metric"] not in METRICS:
             raise JobError(f"metric: unknown {fields['metric']!r} (known: {', '.join(METRICS)})")
         try:
@@ -107,7 +110,7 @@ class Bisector:
         cfg = next((c for c in expand(matrix) if c.name == fields["config"]), None)
         if cfg is None:
             raise JobError(f"config: {fields['config']!r} not in matrix {matrix.name}")
-        if fields["scenario"] not in cfg.scenarios:
+        if fields["scenario"] not in (*cfg.scenarios, POOLED):
             raise JobError(f"scenario: config {cfg.name} does not run {fields['scenario']!r} "
                            f"(it runs {', '.join(cfg.scenarios)})")
         repo = fields["repository"]
@@ -272,6 +275,14 @@ class Bisector:
         with self.store.session() as s:
             run = s.get(Run, run_id)
             scen = next((x for x in run.scenarios if x.scenario == spec["scenario"]), None)
+            if spec["scenario"] == POOLED:  # no scenario row: the pooled verdict decides
+                v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
+                                                    Verdict.scenario == POOLED,
+                                                    Verdict.metric == spec["metric"])).first()
+                if v is None or v.verdict not in ("pass", "regression", "improvement"):
+                    raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide (no pooled "
+                                      f"{spec['metric']} verdict: {run.verdict}: {run.reason})")
+                return v.verdict == "regression", v.verdict, v.reason or ""
             if scen is None or scen.verdict not in ("pass", "fail"):
                 why = (f"{scen.verdict}: {scen.reason}" if scen is not None
                        else f"{run.verdict}: {run.reason}")

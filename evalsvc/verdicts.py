@@ -25,7 +25,9 @@ A metric is judged in this order, and the first rule that decides wins:
    direction, with the contender after it, is a regression too.
 
 KL (higher is worse) and acceptance length (lower is worse) are judged on their own: an unchanged
-KL says nothing about an MTP config's acceptance.
+KL says nothing about an MTP config's acceptance. Each metric is also judged over the run's
+conclusive scenarios together (``pooled``: the hit scenarios for KL, all with acceptance for it;
+history only), as one defect acts in several and their samples pooled make the test sharper.
 
 Regressions are tracked per series (fingerprint, patch set, scenario, metric) for jobs that ask
 for it (nightly): the first flagged run opens one, later flagged runs extend it, and the next run
@@ -45,6 +47,7 @@ from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
 from evalsvc.harness import worst
+from evalsvc.matrix import SCENARIOS
 from evalsvc.metrics.stats import change_point, paired_shift
 from evalsvc.store.models import (
     Build,
@@ -66,6 +69,9 @@ METRICS = {"kl_k3_mean": 1, "extend_kl_k3_mean": 1, "accept_length": -1}
 LABELS = {"kl_k3_mean": "mean KL (k3)", "extend_kl_k3_mean": "extend KL (k3)",
           "accept_length": "accept length"}
 LOG_SCALE = {"kl_k3_mean", "extend_kl_k3_mean"}  # positive, heavy-tailed, multiplied by a bug
+# the verdicts of a run's scenarios judged together ("scenario" of those verdicts and regressions)
+POOLED = "pooled"
+HIT_SCENARIOS = ("prefill_hit", "decode_hit", "branching", "host_tier")
 
 
 @dataclass
@@ -241,11 +247,11 @@ def newest_in_series(session: Session, run: Run) -> bool:
     return session.scalars(_series_query(run).where(~_before(run)).limit(1)).first() is None
 
 
-def baseline_series(session: Session, run: Run, candidates: list[Run], scenario: str,
-                    metric: str) -> Series:
-    """The baseline of one series from the earlier runs (newest first): runs flagged for this
-    scenario and metric are left out, unless a regression triaged as expected made them the new
-    normal (then nothing before that regression counts)."""
+def kept_runs(session: Session, run: Run, candidates: list[Run], scenario: str,
+              metric: str) -> list[Run]:
+    """The earlier runs (newest first) that may form a series' baseline, oldest first: runs
+    flagged for this scenario and metric are left out, unless a regression triaged as expected
+    made them the new normal (then nothing before that regression counts)."""
     expected = session.scalars(
         select(Regression).where(Regression.fingerprint == run.fingerprint,
                                  Regression.patch_set == run.build.patch_set,
@@ -260,6 +266,14 @@ def baseline_series(session: Session, run: Run, candidates: list[Run], scenario:
     keep = [r for r in candidates if (start is not None and order_key(r) >= start)
             or (start is None and r.id not in flagged)]
     keep.reverse()  # oldest first
+    return keep
+
+
+def baseline_series(session: Session, run: Run, candidates: list[Run], scenario: str,
+                    metric: str) -> Series:
+    """The baseline of one series from the earlier runs (newest first): ``kept_runs`` with their
+    values and per-sample values."""
+    keep = kept_runs(session, run, candidates, scenario, metric)
     values = dict(session.execute(select(Metric.run_id, Metric.value).where(
         Metric.run_id.in_([r.id for r in keep]), Metric.scenario == scenario,
         Metric.name == metric)).all())
@@ -276,6 +290,50 @@ def baseline_series(session: Session, run: Run, candidates: list[Run], scenario:
             series.values.append(values[r.id])
             series.samples.append(per_run[r.id])
     return series
+
+
+def pooled_series(session: Session, run: Run, candidates: list[Run], scenarios: list[str],
+                  metric: str) -> Series:
+    """The baseline of a run's pooled series: the kept earlier runs' per-sample values of these
+    scenarios, keyed ``scenario/sample id``; each run's value is their mean."""
+    keep = kept_runs(session, run, candidates, POOLED, metric)
+    per_run: dict[int, dict[str, float]] = {}
+    for run_id, scenario, sample_id, v in session.execute(
+            select(Sample.run_id, Sample.scenario, Sample.sample_id, getattr(Sample, metric))
+            .where(Sample.run_id.in_([r.id for r in keep]), Sample.scenario.in_(scenarios))):
+        if v is not None:
+            per_run.setdefault(run_id, {})[f"{scenario}/{sample_id}"] = v
+    series = Series()
+    for r in keep:
+        if per_run.get(r.id):
+            series.run_ids.append(r.id)
+            series.values.append(float(np.mean(list(per_run[r.id].values()))))
+            series.samples.append(per_run[r.id])
+    return series
+
+
+def judge_pooled(session: Session, run: Run, candidates: list[Run], metric: str,
+                 samples: dict[tuple[str, str], dict[str, float]],
+                 thresholds: ThresholdsFile) -> Judgement | None:
+    """One metric over the run's conclusive scenarios together (the hit scenarios for KL, every
+    scenario with acceptance for it), when there are two or more: one defect acts in several, and
+    their samples pooled make the location test sharper. History only: fixed limits and the tail
+    test belong to each scenario's own verdict."""
+    scenarios = [sc for sc in SCENARIOS if any(
+        r.scenario == sc and r.verdict in ("pass", "fail") for r in run.scenarios)
+        and (sc, metric) in samples and (metric == "accept_length" or sc in HIT_SCENARIOS)]
+    if len(scenarios) < 2:
+        return None
+    pooled = {f"{sc}/{sid}": v for sc in scenarios for sid, v in samples[(sc, metric)].items()}
+    limits = run_limits(run, POOLED, thresholds)
+    lim = getattr(limits, metric).model_copy(update={"max": None, "min": None, "tail": False})
+    limits = limits.model_copy(update={metric: lim, "bit_exact": False, "min_hit_coverage": 0.0})
+    j = judge_metric(POOLED, metric, float(np.mean(list(pooled.values()))), pooled, limits,
+                     pooled_series(session, run, candidates, scenarios, metric),
+                     thresholds.history)
+    if j is not None:
+        j.evidence["scenarios"] = scenarios
+    return j
 
 
 def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile) -> Limits:
@@ -320,6 +378,15 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
                 samples.setdefault((row.scenario, metric), {})[row.sample_id] = v
     candidates = earlier_runs(session, run, limit=3 * max(hs.window, hs.change_point_window))
     out: list[Verdict] = []
+
+    def add(j: Judgement) -> None:
+        v = Verdict(run_id=run_id, scenario=j.scenario, metric=j.metric, verdict=j.verdict,
+                    method=j.method, value=j.value, baseline=j.baseline, diff_low=j.diff_low,
+                    diff_high=j.diff_high, threshold=j.threshold, p_value=j.p_value,
+                    evidence=j.evidence, reason=j.reason or None)
+        session.add(v)
+        out.append(v)
+
     for scen_row in run.scenarios:
         m = metrics.get(scen_row.scenario)
         if not m or scen_row.verdict == "error":
@@ -333,20 +400,24 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
                              exact_fraction=m.get("bit_exact_fraction"))
             if j is None:
                 continue
-            v = Verdict(run_id=run_id, scenario=j.scenario, metric=j.metric, verdict=j.verdict,
-                        method=j.method, value=j.value, baseline=j.baseline, diff_low=j.diff_low,
-                        diff_high=j.diff_high, threshold=j.threshold, p_value=j.p_value,
-                        evidence=j.evidence, reason=j.reason or None)
-            session.add(v)
-            out.append(v)
+            add(j)
             if j.verdict == "regression" and scen_row.verdict == "pass":
                 scen_row.verdict, scen_row.reason = "fail", j.reason
-    verdicts = [s.verdict for s in run.scenarios]
+    reasons = {s.scenario: (s.verdict, s.reason) for s in run.scenarios}
+    for metric in METRICS:
+        j = judge_pooled(session, run, candidates, metric, samples, thresholds)
+        if j is not None:
+            add(j)
+            if j.verdict == "regression":
+                reasons.setdefault(POOLED, ("fail", f"{', '.join(j.evidence['scenarios'])} "
+                                                    f"together: {j.reason}"))
+    verdicts = [v for v, _ in reasons.values()]
     if verdicts and run.verdict not in ("invalid", "cancelled"):
         run.verdict = worst(verdicts)
         if run.verdict != "pass":
-            s = next(s for s in run.scenarios if s.verdict == run.verdict)
-            run.reason = f"{s.scenario}: {s.reason}"
+            scenario, (_, reason) = next((k, r) for k, r in reasons.items()
+                                         if r[0] == run.verdict)
+            run.reason = f"{scenario}: {reason}"
     session.flush()
     return out
 
@@ -405,3 +476,44 @@ def judge_recorded(store, run_ids: list[int], track_regressions: bool = False) -
                 track(s, s.get(Run, run_id), verdicts)
             out.extend(verdicts)
     return out
+
+
+def compare_builds(session: Session, baseline_build: int, contender_build: int,
+                   metric: str = "kl_k3_mean", thresholds: ThresholdsFile | None = None
+                   ) -> list[dict[str, Any]]:
+    """``queries.compare``'s rows (per config and scenario), each judged as one step of a series
+    whose only earlier run is the baseline build's: both builds ran the same prompts and seeds, so
+    the history test's paired per-sample tests apply (location, and tail where the thresholds ask
+    for it). The fixed limits are left to each run's own verdicts. Adds ``paired_verdict``
+    (regression / improvement / pass / inconclusive; None for a metric without verdicts),
+    ``paired_reason`` and ``paired_test``."""
+    from evalsvc.store import queries
+
+    thresholds = thresholds or load_thresholds()
+    rows = queries.compare(session, baseline_build, contender_build, metric=metric)
+    settings = thresholds.history.model_copy(update={"min_runs": 1})
+    for row in rows:
+        row.update(paired_verdict=None, paired_reason=None, paired_test=None)
+        if metric not in METRICS or row["contender"] is None or row["baseline"] is None:
+            continue
+        base, cont = session.get(Run, row["baseline_run"]), session.get(Run, row["contender_run"])
+        scenario = row["scenario"]
+        per_run: dict[int, dict[str, float]] = {base.id: {}, cont.id: {}}
+        for run_id, sample_id, value in session.execute(
+                select(Sample.run_id, Sample.sample_id, getattr(Sample, metric))
+                .where(Sample.run_id.in_([base.id, cont.id]), Sample.scenario == scenario)):
+            if value is not None:
+                per_run[run_id][sample_id] = value
+        coverage = [v for v in session.scalars(select(Metric.value).where(
+            Metric.run_id.in_([base.id, cont.id]), Metric.scenario == scenario,
+            Metric.name == "hit_coverage")) if v is not None]
+        limits = run_limits(cont, scenario, thresholds)
+        lim = getattr(limits, metric).model_copy(update={"max": None, "min": None})
+        limits = limits.model_copy(update={metric: lim, "bit_exact": False})
+        j = judge_metric(scenario, metric, row["contender"], per_run[cont.id], limits,
+                         Series([base.id], [row["baseline"]], [per_run[base.id]]), settings,
+                         coverage=min(coverage) if coverage else None)
+        if j is not None:
+            row.update(paired_verdict=j.verdict, paired_reason=j.reason or None,
+                       paired_test=j.evidence.get("test"))
+    return rows

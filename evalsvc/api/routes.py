@@ -18,6 +18,7 @@ from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import queries
 from evalsvc.store.models import Bisection, Job, Regression, Run
+from evalsvc.verdicts import compare_builds
 
 router = APIRouter(dependencies=[Depends(require_read)])
 JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -113,7 +114,7 @@ def read_job(job_id: JobId, session: SessionDep) -> JobDetail:
     builds = list(dict.fromkeys(r["build_id"] for r in runs))
     comparison = None
     if len(builds) == 2 and job["status"] == "done":
-        comparison = queries.compare(session, builds[0], builds[1])
+        comparison = compare_builds(session, builds[0], builds[1])
     return JobDetail(**job, matrix=job["spec"].get("matrix_name", ""),
                      runs=[RunProgress(**r) for r in runs],
                      progress=dict(Counter(r["status"] for r in runs)), comparison=comparison)
@@ -197,7 +198,7 @@ def read_compare(session: SessionDep,
             raise HTTPException(status_code=404, detail=f"{name}: no build of {ref!r} with "
                                                         f"patch set {patches!r}")
         sides[name] = build.id
-    rows = queries.compare(session, sides["baseline"], sides["contender"], metric=metric)
+    rows = compare_builds(session, sides["baseline"], sides["contender"], metric=metric)
     return {"baseline": baseline, "contender": contender, "metric": metric, "rows": rows}
 
 

@@ -29,6 +29,7 @@ from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
 from evalsvc.store import queries
 from evalsvc.store.models import Bisection, Build, Regression, Run, Sample
 from evalsvc.thresholds import limits_for
+from evalsvc.verdicts import compare_builds
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
@@ -342,13 +343,15 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
         if build is None:
             return problem(request, 404, f"{name}: no build of {ref!r} with patch set {patches!r}")
         builds[name] = build.id
-    rows = queries.compare(session, builds["baseline"], builds["contender"], metric=metric)
+    rows = compare_builds(session, builds["baseline"], builds["contender"], metric=metric)
     verdicts = queries.scenario_verdicts_of(
         session, [r["baseline_run"] for r in rows] + [r["contender_run"] for r in rows])
     for r in rows:
         r["baseline_verdict"] = verdicts.get((r["baseline_run"], r["scenario"]))
         r["contender_verdict"] = verdicts.get((r["contender_run"], r["scenario"]))
         r["verdict"] = compare_verdict(r["baseline_verdict"], r["contender_verdict"])
+        if r["paired_verdict"] == "regression" and r["verdict"] in ("pass", "improvement"):
+            r["verdict"] = "regression"  # both pass their limits, yet the same prompts got worse
     rows.sort(key=lambda r: (COMPARE_ORDER.index(r["verdict"]), -(r["delta"] or 0.0),
                              r["config"], r["scenario"]))
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COMPARE_ORDER}

@@ -90,3 +90,72 @@ def test_expected_triage_makes_the_new_level_the_baseline(store, tmp_path):
     assert [verdict_of(store, r)[0] for r in later] == ["pass"] * 4
     with store.session() as s:  # the new level passing closes it
         assert s.scalars(select(Regression.state)).one() == "resolved"
+
+
+def test_a_comparison_of_two_builds_is_judged_by_paired_samples(store, tmp_path):
+    """Two builds of one job ran the same prompts and seeds: the comparison pairs their samples.
+    A contender whose KL is three times the baseline's on every prompt is a regression although
+    both stay under the fixed limit; one drawn like the baseline passes."""
+    from evalsvc.store.queries import find_build
+    from evalsvc.verdicts import compare_builds
+
+    rng = np.random.default_rng(12)
+    level = rng.uniform(1e-10, 3e-9, 16)  # under the embedded engine's limit of 1e-8
+    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded"}
+    for sha, patches, kls in (("base", [], level), ("base", ["fix"], level * 3),
+                              ("other", [], level * np.exp(rng.normal(0, 0.05, 16)))):
+        record_results(store, job_id=f"job-{sha}-{len(patches)}", trigger="api", spec=spec,
+                       build=build_ref(sha, patches=patches), matrix="smoke",
+                       results=[run_result("mamba2-eb-ov-c64", {"prefill_hit": list(kls)})],
+                       results_dir=tmp_path)
+    with store.session() as s:
+        base = find_build(s, "sgl-project/sglang@base").id
+        worse = find_build(s, "sgl-project/sglang@base", "fix").id
+        alike = find_build(s, "sgl-project/sglang@other").id
+        [row] = compare_builds(s, base, worse)
+        assert (row["paired_verdict"], row["paired_test"]) == ("regression", "paired_t"), row
+        assert "against" in row["paired_reason"]
+        [same] = compare_builds(s, base, alike)
+        assert same["paired_verdict"] == "pass"
+        [improved] = compare_builds(s, worse, base)
+        assert improved["paired_verdict"] == "improvement"
+        [other] = compare_builds(s, base, worse, metric="hit_coverage")
+        assert other["paired_verdict"] is None
+
+
+def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path):
+    """A rise in two hit scenarios, each too small for its own 12 samples to be clear, is clear
+    over their 24 pooled: a ``pooled`` regression, and the run fails for it."""
+    from evalsvc.thresholds import MetricLimits, RuleBody, ThresholdsFile
+
+    rng = np.random.default_rng(31)
+    level = {s: np.exp(rng.normal(np.log(1e-3), 1.0, 12)) for s in ("prefill_hit", "branching")}
+    spec = {"matrix": {"name": "gpu", "engine": "sglang"}, "engine": "sglang", "track": True}
+    limits = ThresholdsFile(defaults=RuleBody(kl_k3_mean=MetricLimits(relative_effect=0.5)))
+
+    def run(sha, hours, factor):
+        kls = {s: list(v * factor * np.exp(rng.normal(0, 0.8, 12))) for s, v in level.items()}
+        [run_id] = record_results(store, job_id=f"job-{sha}", trigger="nightly", spec=spec,
+                                  build=build_ref(sha, hours=hours), matrix="gpu",
+                                  results=[run_result("gdn-nb-sync-c64", kls)],
+                                  results_dir=tmp_path)
+        with store.session() as s:
+            verdicts = judge_run(s, run_id, limits)
+            track(s, s.get(Run, run_id), verdicts)
+        return run_id
+
+    for i in range(5):
+        run(f"base{i}", i, 1.0)
+    worse = run("worse", 10, 1.5)
+    with store.session() as s:
+        got = {(v.scenario, v.metric): v for v in
+               s.scalars(select(Verdict).where(Verdict.run_id == worse))}
+        assert got[("prefill_hit", "kl_k3_mean")].verdict == "pass", got[("prefill_hit", "kl_k3_mean")].reason
+        assert got[("branching", "kl_k3_mean")].verdict == "pass", got[("branching", "kl_k3_mean")].reason
+        pooled = got[("pooled", "kl_k3_mean")]
+        assert (pooled.verdict, pooled.method) == ("regression", "history"), pooled.reason
+        assert pooled.evidence["scenarios"] == ["prefill_hit", "branching"]
+        assert pooled.evidence["pairs"] == 24
+        run_row = s.get(Run, worse)
+        assert run_row.verdict == "fail" and run_row.reason.startswith("pooled: prefill_hit, branching")
+        assert s.scalars(select(Regression.scenario)).all() == ["pooled"]
