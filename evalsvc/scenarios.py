@@ -271,12 +271,16 @@ def host_tier(ctx: Context) -> list[Sample]:
     ctx.client.flush()
     seeded = [max(1, int(len(ids) * 0.6)) for _, ids in ctx.prompts]
     seed(ctx, [ids[:n] for (_, ids), n in zip(ctx.prompts, seeded, strict=True)])
-    # push the seeded prefixes out of device memory: other token sequences, about twice the pool
+    # push the seeded prefixes out of device memory: other token sequences, about twice the pool;
+    # each round rotates the reversed prompts further, so that no two share a prefix (shared
+    # prefixes take no new memory, and few prompts would then press on nothing)
     budget = 2 * (ctx.max_total_tokens or 4096)
     pressure, used, k = [], 0, 0
     while used < budget:
         _, ids = ctx.prompts[k % len(ctx.prompts)]
-        seq = list(reversed(ids)) + [ids[k % len(ids)]] * (k // len(ctx.prompts))
+        rev = list(reversed(ids))
+        turn = 7 * (k // len(ctx.prompts)) % len(rev)
+        seq = rev[turn:] + rev[:turn]
         pressure.append(seq)
         used += len(seq)
         k += 1

@@ -15,8 +15,9 @@ Per metric: ``max`` / ``min`` are fixed limits (a value beyond one is a regressi
 history says); ``min_effect`` and ``relative_effect`` are the smallest change against the baseline
 that the history test calls a regression (the larger of ``min_effect`` and ``relative_effect`` x the
 baseline mean): a difference must be both statistically clear and this large; ``tail: true`` adds
-the history's tail test (a few samples far out, each beyond that floor), for metrics whose clean
-spread has no sampling in it. ``bit_exact: true``
+the history's tail test (a few samples far out, each beyond that floor and, with ``tail_factor``,
+at least that many times the baseline's median sample), for metrics whose clean spread has no
+sampling in it. ``bit_exact: true``
 (deterministic inference) makes any nonzero KL and any token that differs from the reference a
 regression.
 """
@@ -51,6 +52,7 @@ class MetricLimits(Strict):
     min_effect: float | None = Field(None, ge=0)
     relative_effect: float | None = Field(None, ge=0)
     tail: bool | None = None
+    tail_factor: float | None = Field(None, ge=1)
 
 
 METRIC_NAMES = ("kl_k3_mean", "extend_kl_k3_mean", "accept_length")

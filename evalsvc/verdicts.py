@@ -157,8 +157,12 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
         least = max(lim.min_effect or 0.0, 1e-30)
         log_floor = max(float(np.median(base)), least)
         tail_floor = max(float(np.quantile(base, 0.1)), least)
+    # a KL averaged over an extend varies little from prompt to prompt and more from run to run
+    # (its chunk grid follows the batch): its tail is judged against the baseline's distribution;
+    # greedy acceptance repeats per prompt: against the pairs
     shift = paired_shift(samples, window, confidence=settings.confidence, log_floor=log_floor,
-                         tail=sign if lim.tail else 0, tail_floor=tail_floor)
+                         tail=sign if lim.tail else 0, tail_floor=tail_floor,
+                         tail_against="distribution" if j.metric in LOG_SCALE else "pairs")
     floor = limits.effect_floor(j.metric, float(base.mean()))
     j.method, j.baseline = "history", float(np.mean(history.values[-settings.window:]))
     j.diff_low, j.diff_high, j.threshold, j.p_value = shift.low, shift.high, floor, shift.p
@@ -177,7 +181,8 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
                     f"{settings.confidence:.1%}, a change beyond the effect floor {floor:.3g}")
         return j
     if shift.tail_p is not None:
-        far = [o for o in shift.outliers if sign * (o[1] - o[2]) > floor]
+        least = (lim.tail_factor or 0.0) * float(np.median(base))  # an order of magnitude, say
+        far = [o for o in shift.outliers if sign * (o[1] - o[2]) > floor and o[1] >= least]
         j.evidence["tail"] = {"p_value": shift.tail_p, "z_bound": shift.tail_z,
                               "outliers": [list(o) for o in far[:10]]}
         if far and shift.tail_p <= 1.0 - settings.confidence:

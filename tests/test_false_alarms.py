@@ -26,3 +26,24 @@ def test_twenty_clean_evaluations_raise_no_alarm(tmp_path):
     # the history test really ran, on both metrics of every scenario but the first three times
     assert out["verdicts"].get("pass/history", 0) >= 17 * 5
     assert out["inconclusive"] == []
+
+
+def test_same_seed_bf16_evaluations_raise_no_alarm(tmp_path):
+    """The bf16 engine's runs differ by its own noise (batching, split-KV decode, chunk grids):
+    evaluated eight times with the matrix's one seed, as a nightly series is, on the configs
+    where that noise is largest (overlap; speculative decoding, whose greedy acceptance carries
+    the tail test), no history test, tail test or pooled test alarms."""
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        out = false_alarms(store, tmp_path, seeds=8, num_prompts=5,
+                           configs=["gdn-eb-ov-c64", "gdn-nb-sync-nochunk-mtp"],
+                           matrix="smoke-bf16", same_seed=True, progress=lambda _: None)
+    finally:
+        store.close()
+    assert out["runs"] == 16
+    assert out["regression_verdicts"] == [] and out["regressions_opened"] == 0
+    assert out["inconclusive"] == []
+    # from the fourth evaluation on, every scenario's metrics and the pooled ones by history
+    by_metric = out["verdicts_by_metric"]
+    assert by_metric.get("pass/history/extend_kl_k3_mean", 0) >= 5 * (3 + 3 + 2)
+    assert by_metric.get("pass/history/accept_length", 0) >= 5 * 6

@@ -309,7 +309,7 @@ class Shift:
 def paired_shift(contender: Mapping[str, float], baseline: Sequence[Mapping[str, float]], *,
                  confidence: float = 0.999, log_floor: float | None = None,
                  tail: int = 0, tail_floor: float | None = None,
-                 min_tail_samples: int = 5) -> Shift:
+                 tail_against: str = "pairs", min_tail_samples: int = 5) -> Shift:
     """Compare a contender's per-sample values (sample id -> value) with those of baseline runs.
 
     Runs of one fingerprint, and both builds of a comparison, share their prompts and seeds, so
@@ -323,12 +323,19 @@ def paired_shift(contender: Mapping[str, float], baseline: Sequence[Mapping[str,
       values far below the floor count as equal. ``diff``/``low``/``high`` are reported in the
       values' own units either way.
     * Tail (a few samples far out, as a bug that strikes some requests makes them), when ``tail``
-      is +1 (high is worse) or -1: each paired difference (on ``log(value + tail_floor)`` for log
-      values: a floor below most values, or the differences of the small ones, squeezed by a
-      floor they are under, would make the spread look narrower than the large ones' is) against
-      their median, in units of a robust spread (1.4826 x the median absolute deviation, of the contender's
-      differences or, when it is larger, of the baseline runs' own leave-one-out differences);
-      samples beyond the one-sided Bonferroni bound for ``1 - confidence`` over the samples are
+      is +1 (high is worse) or -1, on ``log(value + tail_floor)`` for log values (a floor below
+      most values: the small ones squeezed under a floor would make the spread look narrower
+      than it is), in units of a robust spread (1.4826 x the median absolute deviation), against
+      ``tail_against``:
+
+      - ``"pairs"``: each paired difference against their median; the spread is the larger of the
+        contender's differences' and that of the moves among the baseline runs' own leave-one-out
+        differences. For values a prompt repeats from run to run (greedy acceptance);
+      - ``"distribution"``: each value against the baseline's values of every sample and run
+        together. For values that vary little from prompt to prompt but move from run to run
+        by more than that (a KL averaged over a long extend, whose chunk grid follows the batch).
+
+      Samples beyond the one-sided Bonferroni bound for ``1 - confidence`` over the samples are
       ``outliers``. Only for values whose clean spread has no sampling in it (teacher-forced
       logprobs, greedy acceptance): sampled ones have heavy tails of their own.
 
@@ -357,20 +364,37 @@ def paired_shift(contender: Mapping[str, float], baseline: Sequence[Mapping[str,
                   "log" if log_floor is not None else "linear", loc_low, loc_high)
     if tail == 0 or len(shared) < min_tail_samples:
         return shift
-    from scipy import stats as sps
-
     if log_floor is not None and tail_floor is not None:
         def scaled(x: np.ndarray) -> np.ndarray:
             return np.log(x + tail_floor)
 
         d = scaled(c) - np.array([scaled(b).mean() for b in base])
+    if tail_against == "distribution":
+        ref = tail * scaled(np.concatenate(base))
+        z = (tail * scaled(c) - np.median(ref)) / max(_robust_spread(ref), 1e-12)
+        return _tail(shift, z, shared, c, b_mean, confidence)
     w = tail * d
     spread = _robust_spread(w)
-    loo = [tail * (scaled(b[j: j + 1])[0] - np.delete(scaled(b), j).mean())
-           for b in base if b.size >= 2 for j in range(b.size)]
-    if len(loo) >= min_tail_samples:
-        spread = max(spread, _robust_spread(np.asarray(loo)))
-    z = (w - np.median(w)) / max(spread, 1e-12)
+    loo = np.array([tail * (scaled(b[j: j + 1])[0] - np.delete(scaled(b), j).mean())
+                    for b in base if b.size >= 2 for j in range(b.size)])
+    # Runs of one engine with the same seeds repeat most samples exactly and move a few by the
+    # engine's own noise (batching, a flipped token): the null spread is that of those moves, in
+    # the baseline runs against each other. None at all: the engine repeats itself, and any move
+    # of the contender is out of the ordinary (the verdict's effect floor says whether it matters).
+    moved = loo[loo != 0]
+    if moved.size >= min_tail_samples:
+        spread = max(spread, _robust_spread(moved))
+    elif moved.size:
+        spread = max(spread, float(np.abs(moved).max()))
+    return _tail(shift, (w - np.median(w)) / max(spread, 1e-12), shared, c, b_mean, confidence)
+
+
+def _tail(shift: Shift, z: np.ndarray, shared: list[str], c: np.ndarray, b_mean: np.ndarray,
+          confidence: float) -> Shift:
+    """The samples whose z passes the one-sided Bonferroni bound, and the p-value of the
+    largest."""
+    from scipy import stats as sps
+
     bound = float(sps.norm.isf((1.0 - confidence) / len(shared)))
     outliers = tuple((shared[i], float(c[i]), float(b_mean[i]), float(z[i]))
                      for i in np.flatnonzero(z > bound))
