@@ -56,7 +56,7 @@ from evalsvc.matrix import MatrixFile, load_matrix  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
 from evalsvc.store.models import Build, Commit, Metric, Regression, Run, Verdict  # noqa: E402
 from evalsvc.store.record import BuildRef, record_results  # noqa: E402
-from evalsvc.verdicts import judge_recorded  # noqa: E402
+from evalsvc.verdicts import POOLED, judge_recorded  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -208,6 +208,7 @@ def contender(store: Store, matrix: MatrixFile, defect: str | None, st: float,
 
 def classify(verdicts: list[dict[str, Any]], defect: str | None) -> dict[str, Any]:
     where = WHERE[defect]["must"] | WHERE[defect]["may"] if defect else set()
+    where |= {(c, POOLED) for c, _ in where}  # a config's scenarios judged together
     hits = [v for v in verdicts if v["verdict"] == "regression"]
     return {"flagged": sorted({f"{v['config']}/{v['scenario']}/{v['metric']} ({v['test']})"
                                for v in hits if (v["config"], v["scenario"]) in where}),

@@ -17,9 +17,10 @@ A metric is judged in this order, and the first rule that decides wins:
      exclude no change (statistically clear) and the mean difference to exceed the effect floor
      (large enough to matter); an improvement the same the other way;
    * tail, for metrics whose thresholds ask for it (teacher-forced extend KL, greedy
-     acceptance): samples far beyond the rest in the bad direction (robust z past a Bonferroni
-     bound), each by more than the effect floor, are a regression too: a bug that strikes a few
-     requests hard moves no mean;
+     acceptance): samples far out in the bad direction (a robust z past a Bonferroni bound,
+     against the baseline's distribution of every sample for KL, against the pairs for
+     acceptance), each by more than the effect floor (and ``tail_factor`` times the baseline's
+     median sample), are a regression too: a bug that strikes a few requests hard moves no mean;
 4. change point: the series of per-run values, the contender last, searched for one lasting shift
    in the mean (a permutation test); a significant shift of at least the effect floor in the bad
    direction, with the contender after it, is a regression too.
