@@ -127,9 +127,12 @@ def test_a_defect_is_flagged_alerted_once_bisected_and_resolved(tmp_path, servic
         commits.append(repo.commit(defect=i >= 5, message=f"c{i}"))
     first_bad = commits[5]
     job_bad = fire_nightly()
-    regs = open_regressions()  # the defect acts on prefix hits, and on branches for some prompts
-    assert {(r["config"], r["metric"]) for r in regs} == {(CONFIG, "kl_k3_mean")}
-    [reg] = [r for r in regs if r["scenario"] == SCENARIO]
+    # the defect acts on prefix hits, and on branches for some prompts: on the generated tokens'
+    # KL and first on the extend's (and on those scenarios together)
+    regs = open_regressions()
+    assert {(r["config"], r["metric"]) for r in regs} == {(CONFIG, "kl_k3_mean"),
+                                                          (CONFIG, "extend_kl_k3_mean")}
+    [reg] = [r for r in regs if r["scenario"] == SCENARIO and r["metric"] == "kl_k3_mean"]
     assert {r["first_run"]["id"] for r in regs} == {reg["first_run"]["id"]}
     assert reg["first_run"]["sha"] == commits[8] and reg["last_good_run"]["sha"] == commits[0]
     assert reg["evidence"]["verdict"] == "regression" and reg["evidence"]["value"] > 1e-8
