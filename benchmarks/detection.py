@@ -164,12 +164,12 @@ def judged(store: Store, run_ids: list[int]) -> list[dict[str, Any]]:
     with store.session() as s:
         verdicts = s.execute(select(Run.config, Verdict.scenario, Verdict.metric, Verdict.verdict,
                                     Verdict.method, Verdict.evidence, Verdict.value,
-                                    Verdict.baseline)
+                                    Verdict.baseline, Verdict.reason)
                              .join(Run, Run.id == Verdict.run_id)
                              .where(Verdict.run_id.in_(run_ids))).all()
     return [{"config": c, "scenario": sc, "metric": m, "verdict": v, "method": meth,
-             "test": (ev or {}).get("test"), "value": val, "baseline": base}
-            for c, sc, m, v, meth, ev, val, base in verdicts]
+             "test": (ev or {}).get("test"), "value": val, "baseline": base, "reason": why}
+            for c, sc, m, v, meth, ev, val, base, why in verdicts]
 
 
 def sglang_method(store: Store, run_ids: list[int], pairs: set[tuple[str, str]]
@@ -216,7 +216,9 @@ def classify(verdicts: list[dict[str, Any]], defect: str | None) -> dict[str, An
                                     if (v["config"], v["scenario"]) in
                                     (WHERE[defect]["must"] if defect else set())}),
             "elsewhere": sorted({f"{v['config']}/{v['scenario']}/{v['metric']}" for v in hits
-                                 if (v["config"], v["scenario"]) not in where})}
+                                 if (v["config"], v["scenario"]) not in where}),
+            "reasons": sorted(f"{v['config']}/{v['scenario']}/{v['metric']}: {v['reason']}"
+                              for v in hits)}
 
 
 def strength(store: Store, work: Path, sizes: list[int], strengths: list[float],
