@@ -184,6 +184,8 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
             result.verdict, result.reason = "cancelled", "the job was cancelled"
         elif watchdog.reason is not None:
             result.verdict, result.reason = "error", watchdog.reason
+        elif proc is not None and exited(proc):  # it died between scenarios (at /server_info)
+            result.reason = f"{type(exc).__name__}: {exc}; {exit_reason(proc)}"
         else:
             result.reason = f"{type(exc).__name__}: {exc}"
         if result.verdict != "cancelled":
@@ -232,7 +234,7 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
                 scen.reason = (f"{scen.reason}{state}" if str(client.timed_out) in scen.reason
                                else f"{scen.reason}; {reason}")
             elif exited(proc):
-                reason = f"the engine exited with code {proc.proc.poll()}{proc._tail()}"
+                reason = exit_reason(proc)
                 # say so in this scenario's reason too, not only in the ones it skips
                 scen.reason = f"{scen.reason}; {reason}"
         result.scenarios.append(scen)
@@ -249,6 +251,10 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
     if result.verdict != "pass":  # the first scenario that decided it, named
         s = next(s for s in result.scenarios if s.verdict == result.verdict)
         result.reason = f"{s.scenario}: {s.reason}"
+
+
+def exit_reason(proc: EngineProcess) -> str:
+    return f"the engine exited with code {proc.proc.poll()}{proc._tail()}"
 
 
 def exited(proc: EngineProcess, wait: float = 0.5) -> bool:

@@ -317,6 +317,18 @@ def test_engine_dying_mid_run_errors_the_rest_and_its_group_is_gone(fake, tmp_pa
 
 
 @pytest.mark.slow
+def test_engine_dying_before_the_first_scenario_is_an_error_saying_it_exited(fake, tmp_path):
+    """An engine that dies after start-up, while the harness asks for /server_info, is named as
+    exited (with its code and log tail), not only as a broken connection."""
+    r = run_config(*fake, fake_spec("die_at_info", tmp_path), PROMPTS, log_dir=tmp_path)
+    assert r.verdict == "error"
+    assert r.scenarios == []
+    assert "the engine exited with code 3" in r.reason, r.reason
+    assert "scheduler crashed (die_at_info)" in r.reason  # the log tail
+    assert_gone(fake_pids(tmp_path))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "expected"), [
     ("nan", "meta_info.output_token_logprobs[0]: logprob is nan"),
     ("malformed", "meta_info.output_token_logprobs: expected a list, got dict"),

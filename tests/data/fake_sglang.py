@@ -8,6 +8,8 @@ Started by ``tests/data/fake-python`` as ``fake_sglang.py --model-path M --host 
 * ``die_at_start``: prints an error and exits 1 before binding its port.
 * ``die_mid``: serves, starts a child process (left in its process group), and exits at the first
   ``/generate`` without answering.
+* ``die_at_info``: serves its health check, then exits 3 at ``/server_info`` (the harness's first
+  question after start-up, before any scenario) without answering.
 * ``nan``: NaN output logprobs. ``malformed``: ``output_token_logprobs`` is not a list.
 * ``slow_start``: takes ``FAKE_SGLANG_START_SECONDS`` (default 10) to start, then serves as ``ok``.
 
@@ -25,7 +27,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-MODES = ("ok", "die_at_start", "die_mid", "nan", "malformed", "slow_start")
+MODES = ("ok", "die_at_start", "die_mid", "die_at_info", "nan", "malformed", "slow_start")
 
 
 def parse_flags(argv: list[str]) -> dict:
@@ -116,6 +118,9 @@ def make_handler(flags: dict, mode: str):
             if self.path == "/health_generate":
                 self._send(200, {})
             elif self.path in ("/server_info", "/get_server_info"):
+                if mode == "die_at_info":
+                    print("fake sglang: scheduler crashed (die_at_info)", file=sys.stderr, flush=True)
+                    os._exit(3)
                 self._send(200, {**flags, "version": "0.0.0+fake", "internal_states": [{}]})
             else:
                 self._send(404, {"error": f"no route {self.path}"})
