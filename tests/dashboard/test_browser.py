@@ -180,25 +180,28 @@ def test_commits_page_shows_each_builds_verdicts(tab, dashboard):
 
 
 def test_regressions_page_links_each_regression_to_its_run(tab, dashboard):
-    """The tracked job's defect build opened a regression per config and failing scenario; the
-    first bad commit's link leads to the run, whose verdicts show the regression."""
+    """The tracked job's defect build opened a regression per config, failing scenario and metric
+    (the generated tokens' KL and the extend's); the first bad commit's link leads to the run,
+    whose verdicts show the regression."""
     job = dashboard.wait()
     page = tab.open("/")
-    assert page.locator(".open-regressions").inner_text() == "4 open regressions, 4 untriaged"
+    assert page.locator(".open-regressions").inner_text() == "8 open regressions, 8 untriaged"
     page.click(".open-regressions a")
     page.wait_for_load_state("networkidle")
     assert page.url.endswith("/regressions")
     rows = page.locator("table.regressions tr.regression")
-    assert rows.count() == 4
-    found = {(rows.nth(i).get_attribute("data-config"), rows.nth(i).get_attribute("data-scenario"))
-             for i in range(4)}
-    assert found == {(c, s) for c in CONFIGS for s in ("prefill_hit", "branching")}
-    assert rows.locator(".triage").all_inner_texts() == ["untriaged"] * 4
+    assert rows.count() == 8
+    found = {tuple(rows.nth(i).get_attribute(f"data-{a}") for a in ("config", "scenario", "metric"))
+             for i in range(8)}
+    assert found == {(c, s, m) for c in CONFIGS for s in ("prefill_hit", "branching")
+                     for m in ("kl_k3_mean", "extend_kl_k3_mean")}
+    assert rows.locator(".triage").all_inner_texts() == ["untriaged"] * 8
     assert page.locator("#triage-curl").inner_text().startswith(
         f"curl -X PATCH {dashboard.url}/api/v1/regressions/")
 
     defect_runs = {r["id"]: r for r in job["runs"] if DEFECT in r["build"]}
-    row = page.locator(f'tr.regression[data-config="{CONFIGS[0]}"][data-scenario="prefill_hit"]')
+    row = page.locator(f'tr.regression[data-config="{CONFIGS[0]}"][data-scenario="prefill_hit"]'
+                        '[data-metric="kl_k3_mean"]')
     assert row.locator(".evidence .method").inner_text() in ("threshold", "bit_exact")
     link = row.locator(".first-bad a")
     run_id = int(link.get_attribute("href").rsplit("/", 1)[1])
