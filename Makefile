@@ -41,7 +41,7 @@ lint-docker: $(STAMP)
 	$(BIN)/hadolint --failure-threshold style docker/Dockerfile.service docker/Dockerfile.worker
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 
-# real SGLang 0.5.17 on this CPU (needs AVX-512 and AMX, and the kernel wheel of ../shared/sglang-cpu
+# real SGLang 0.5.17 on this CPU (needs AVX-512 with BF16, and the kernel wheel of ../shared/sglang-cpu
 # or EVALSVC_SGLANG_CPU_KERNEL); refuses at once, naming what is missing, on other machines
 sglang-cpu: $(STAMP)
 	$(BIN)/python -m evalsvc.builds.sglang_cpu --dest .venv-sglang-cpu

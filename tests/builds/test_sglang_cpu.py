@@ -4,6 +4,9 @@ wheel it takes, and when a made environment is up to date. Nothing here installs
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +24,11 @@ processor\t: 1
 model name\t: AMD EPYC
 flags\t\t: fpu sse avx avx2
 """
+AMD_EPYC_GENOA = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse avx avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni
+"""
 XEON_SAPPHIRE_RAPIDS = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
@@ -28,22 +36,38 @@ flags\t\t: fpu sse avx avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 amx_b
 """
 
 
-def test_a_cpu_without_avx512_and_amx_is_refused_naming_what_it_lacks():
+def test_a_cpu_without_avx512_is_refused_naming_what_it_lacks():
     host = read_host(AMD_EPYC_MILAN)
     assert host.model == "AMD EPYC"
-    assert host.missing() == ["avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile",
-                              "amx_bf16"]
+    assert host.missing() == ["avx512f", "avx512bw", "avx512vl", "avx512_bf16"]
     with pytest.raises(SGLangCPUError) as err:
         check_host(host)
     message = str(err.value)
-    assert "AMD EPYC" in message and "avx512f" in message and "amx_tile" in message
+    assert "AMD EPYC" in message and "avx512f" in message and "avx512_bf16" in message
     assert "SIGILL" in message
 
 
-def test_a_sapphire_rapids_xeon_passes_the_check():
-    host = read_host(XEON_SAPPHIRE_RAPIDS)
+@pytest.mark.parametrize("cpuinfo", [XEON_SAPPHIRE_RAPIDS, AMD_EPYC_GENOA], ids=["amx", "no-amx"])
+def test_a_cpu_with_avx512_bf16_passes_the_check_with_or_without_amx(cpuinfo):
+    host = read_host(cpuinfo)
     assert host.missing() == []
     check_host(host)
+
+
+@pytest.mark.parametrize("engine", ["1", None], ids=["engine", "other"])
+def test_the_environment_reports_amx_to_sglang_in_its_engine_processes_only(tmp_path, engine):
+    """The env's sitecustomize (run here by the project's own python, which has the same CPU
+    torch) makes torch report AMX tiles in processes started with SGLANG_USE_CPU_ENGINE=1, and
+    leaves every other process as it is."""
+    (tmp_path / "sitecustomize.py").write_text(sglang_cpu.SITECUSTOMIZE)
+    ask = [sys.executable, "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"]
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
+    real = subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout
+    env["PYTHONPATH"] = str(tmp_path)
+    if engine:
+        env["SGLANG_USE_CPU_ENGINE"] = engine
+    seen = subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout
+    assert seen.strip() == ("True" if engine else real.strip())
 
 
 def test_a_missing_kernel_wheel_names_the_variable_to_set(tmp_path):

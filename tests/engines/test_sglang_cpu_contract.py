@@ -5,7 +5,7 @@ this CPU: each config the matrix runs must be accepted and resolve to what it as
 combination it leaves out for an argument-level reason must be refused by SGLang itself, with that
 reason. (HiCache and NEXTN are left out because they crash at start on CPU, which no argument check
 sees; the matrix says so in its comments.) Serving the configs needs SGLang's CPU kernel, which
-needs AVX-512 and AMX (``make sglang-cpu``).
+needs AVX-512 with BF16 (``make sglang-cpu``; ``test_sglang_cpu_server.py`` serves one).
 """
 
 from __future__ import annotations
