@@ -41,12 +41,19 @@ def engine_demo(
 @app.command()
 def demo(
     matrix: Annotated[str, typer.Option(help="the matrix to submit")] = "smoke",
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", help="only these configs of the matrix")] = None,
+    num_prompts: Annotated[int | None, typer.Option(help="prompts per scenario")] = None,
+    keep: Annotated[bool | None, typer.Option(
+        "--keep/--no-keep", help="keep the service up for the dashboard until Ctrl-C "
+                                 "(default: when run from a terminal)")] = None,
 ) -> None:
     """`make run`: start the service on the embedded defaults, submit the smoke job, wait for it,
-    print its results and where to read them, and stop the service."""
+    print its results, where to read them and where the dashboard shows it (kept up until Ctrl-C
+    from a terminal), and stop the service."""
     from evalsvc.demo import run_service_demo
 
-    raise typer.Exit(run_service_demo(matrix))
+    raise typer.Exit(run_service_demo(matrix, configs, num_prompts, keep))
 
 
 @app.command()
