@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -55,7 +56,7 @@ class Settings(BaseSettings):
     read_token: str | None = None  # bearer token for reads (open when unset)
     # people: JSON, [{"name": "alice", "role": "write", "token_sha256": "..."}, ...]; their tokens
     # sign in to the dashboard and are bearer tokens of the API (with any user, reads need one)
-    users: list[UserConfig] = Field(default_factory=list)
+    users: Annotated[list[UserConfig], NoDecode] = Field(default_factory=list)
     # behind a reverse proxy that authenticates: the header naming the user (X-Forwarded-User);
     # honoured only when set, and then the service must be reachable through that proxy alone
     trusted_user_header: str | None = Field(None, pattern=r"^[A-Za-z0-9-]{1,100}$")
@@ -106,6 +107,26 @@ class Settings(BaseSettings):
         if twice:
             raise ValueError(f"users: {', '.join(twice)} named more than once")
         return self
+
+    @field_validator("users", mode="before")
+    @classmethod
+    def _users_json(cls, value):
+        """JSON in the environment; empty (compose's ``${EVALSVC_USERS:-}``): none."""
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            return []
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON ({exc}): a list of {{\"name\", \"role\", "
+                             "\"token\" or \"token_sha256\"} objects") from None
+
+    @field_validator("trusted_user_header", "session_secret", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value):
+        """An empty variable (compose's ``${EVALSVC_SESSION_SECRET:-}``) sets nothing."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

@@ -182,3 +182,11 @@ def test_users_come_from_the_environment_as_json(tmp_path, monkeypatch):
             Settings(users=[user])
     with pytest.raises(ValidationError, match="alice named more than once"):
         Settings(users=[USERS[0], USERS[0]])
+    monkeypatch.setenv("EVALSVC_USERS", '[{"name": "alice"')
+    with pytest.raises(ValidationError, match="users\n.*not valid JSON"):
+        Settings()
+    # empty variables (compose's ${EVALSVC_USERS:-}) set nothing
+    for name in ("EVALSVC_USERS", "EVALSVC_SESSION_SECRET", "EVALSVC_TRUSTED_USER_HEADER"):
+        monkeypatch.setenv(name, "")
+    settings = Settings()
+    assert (settings.users, settings.session_secret, settings.trusted_user_header) == ([], None, None)
