@@ -88,7 +88,8 @@ def _errors(exc: ValidationError) -> str:
 
 def _next(target: str | None) -> str:
     """Where to go after signing in: a path of this site, never another site."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+    if (not target or not target.startswith("/") or target.startswith("//") or "\\" in target
+            or not target.isprintable()):
         return "/"
     return target
 

@@ -80,6 +80,9 @@ def test_signing_in_sets_a_signed_httponly_samesite_cookie_and_signing_out_ends_
         assert {"httponly", "samesite=lax", "path=/"} <= flags
         assert "max-age=43200" in flags  # EVALSVC_SESSION_MAX_AGE_S
         assert "secure" not in flags  # EVALSVC_SESSION_HTTPS_ONLY is off
+        for elsewhere in ("https://example.com/", "//example.com/", "/\t/example.com", "jobs"):
+            resp = sign_in(c, ALICE, elsewhere)  # never to another site
+            assert resp.status_code == 303 and resp.headers["location"] == "/", elsewhere
         page = c.get("/jobs")
         assert page.status_code == 200 and signed_in_as(page.text) == ("alice", "write")
         assert c.get("/api/v1/jobs").status_code == 200  # the page's live progress reads the API
@@ -183,7 +186,7 @@ def test_users_come_from_the_environment_as_json(tmp_path, monkeypatch):
     with pytest.raises(ValidationError, match="alice named more than once"):
         Settings(users=[USERS[0], USERS[0]])
     monkeypatch.setenv("EVALSVC_USERS", '[{"name": "alice"')
-    with pytest.raises(ValidationError, match="users\n.*not valid JSON"):
+    with pytest.raises(ValidationError, match=r"users\n.*not valid JSON"):
         Settings()
     # empty variables (compose's ${EVALSVC_USERS:-}) set nothing
     for name in ("EVALSVC_USERS", "EVALSVC_SESSION_SECRET", "EVALSVC_TRUSTED_USER_HEADER"):
