@@ -3,15 +3,18 @@
     .venv/bin/python benchmarks/screenshots.py [--out docs]
 
 Serves the app (uvicorn in a thread, job runner on) over a fresh SQLite store in a temporary
-folder, runs the same job as the browser tests (the smoke matrix's mamba2-eb-ov-c64 and
-gdn-eb-ov-c64 on 4 prompts, clean and with the snapshot-race defect; about a minute), and gives
-those two configs a synthetic history of 30 earlier commits (one of them a regression) so the
-trends have something to show. Then Debian's chromium photographs each page.
+folder, with one user of role write (``reviewer``), who posts the same job as the browser tests
+(the smoke matrix's mamba2-eb-ov-c64 and gdn-eb-ov-c64 on 4 prompts, clean and with the
+snapshot-race defect, tracking regressions; about a minute) and acknowledges one of the
+regressions it opens; those two configs get a synthetic history of 30 earlier commits (one of them
+a regression) so the trends have something to show. Then Debian's chromium signs in as the
+reviewer and photographs each page, the controls of a user of role write on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
 import socket
 import sys
@@ -40,7 +43,8 @@ from tests.store.factories import record, run_result  # noqa: E402
 CONFIGS = ["mamba2-eb-ov-c64", "gdn-eb-ov-c64"]
 DEFECT = "defect:snapshot-race"
 JOB = {"matrix": "smoke", "configs": CONFIGS, "workload": {"num_prompts": 4},
-       "builds": [{}, {"patches": [DEFECT]}]}
+       "builds": [{}, {"patches": [DEFECT]}], "track": True}
+TOKEN = secrets.token_hex(16)  # the reviewer's
 HISTORY = 30
 REGRESSION = 18  # the history commit where mamba2's prefill_hit and branching fail
 VIEWPORT = {"width": 1280, "height": 960}
@@ -102,21 +106,32 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="evalsvc-screenshots-"))
     database_url = f"sqlite:///{tmp / 'store.db'}"
     settings = Settings(data_dir=tmp / "data", database_url=database_url, nightly=False,
-                        engine_slots=1)
+                        engine_slots=1, session_secret=secrets.token_hex(16),
+                        users=[{"name": "reviewer", "role": "write", "token": TOKEN}])
     server, thread, url = serve(settings)
     try:
-        with httpx.Client(base_url=url, timeout=30) as client, sync_playwright() as p:
+        with httpx.Client(base_url=url, timeout=30,
+                          headers={"Authorization": f"Bearer {TOKEN}"}) as client, \
+                sync_playwright() as p:
             browser = p.chromium.launch(executable_path=shutil.which("chromium"),
                                         args=["--no-sandbox", "--headless"])
             page = browser.new_page(viewport=VIEWPORT)
 
-            def shoot(name: str, path: str) -> None:
+            def shoot(name: str, path: str, full_page: bool = False, height: int | None = None
+                      ) -> None:
                 page.goto(url + path)
                 page.wait_for_load_state("networkidle")
                 page.wait_for_timeout(500)  # the charts' transitions
-                page.screenshot(path=args.out / f"dashboard-{name}.png")
+                clip = {"x": 0, "y": 0, "width": VIEWPORT["width"], "height": height} if height \
+                    else None
+                page.screenshot(path=args.out / f"dashboard-{name}.png", full_page=full_page,
+                                clip=clip)
                 print(f"{args.out / f'dashboard-{name}.png'}: {path}", flush=True)
 
+            shoot("login", "/login?next=/", height=300)
+            page.fill('input[name="token"]', TOKEN)
+            page.click('#sign-in-form button[type="submit"]')
+            page.wait_for_load_state("networkidle")
             job_id = client.post("/api/v1/jobs", json=JOB).json()["id"]
             while client.get(f"/api/v1/jobs/{job_id}").json()["progress"].get("done", 0) < 2:
                 time.sleep(1)
@@ -130,10 +145,17 @@ def main() -> None:
             finally:
                 store.close()
             ref = client.get("/api/v1/commits").json()[0]["ref"]  # the job's, the newest
+            regression = next(r["id"] for r in client.get("/api/v1/regressions").json()
+                              if r["scenario"] == "prefill_hit" and r["metric"] == "kl_k3_mean"
+                              and r["config"] == CONFIGS[0])
+            client.patch(f"/api/v1/regressions/{regression}", json={
+                "triage": "acknowledged", "comment": "the snapshot race again: looking into it"})
             shoot("overview", "/")
             shoot("commits", "/commits")
             shoot("job", f"/jobs/{job_id}")
-            shoot("compare", f"/compare?baseline={ref}&contender={ref}&contender_patches={DEFECT}")
+            shoot("compare", f"/compare?baseline={ref}&contender={ref}&contender_patches={DEFECT}",
+                  full_page=True)
+            shoot("regression", f"/regressions/{regression}", full_page=True)
             shoot("sample", sample)
             browser.close()
     finally:

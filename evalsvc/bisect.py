@@ -27,6 +27,8 @@ from evalsvc.builds.build import BuildError, git, git_mirror
 from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService
 from evalsvc.logs import log_context
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix
+from evalsvc.store import audit
+from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, Verdict, utcnow
 from evalsvc.verdicts import METRICS, POOLED
@@ -66,9 +68,11 @@ class Bisector:
         self._threads: list[threading.Thread] = []
 
     # ---- submission ------------------------------------------------------------------------
-    def submit(self, body: BisectCreate, start: bool = True, trusted: bool = False) -> str:
+    def submit(self, body: BisectCreate, start: bool = True, trusted: bool = False,
+               actor: Actor | None = None) -> str:
         """Validate and store a bisection, and start it. ``trusted``: from the operator (the CLI),
-        whose repositories need not be on the allowed list."""
+        whose repositories need not be on the allowed list. ``actor``: the person starting it (an
+        audit event, stored with the bisection)."""
         spec = self.normalize(body, trusted=trusted)
         bisect_id = f"bisect-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         with self.store.session() as s:
@@ -77,6 +81,11 @@ class Bisector:
                             scenario=spec["scenario"], metric=spec["metric"], spec=spec,
                             status="queued", candidates=spec["candidates"], steps=[],
                             regression_id=body.regression_id))
+            if actor is not None:
+                audit.record(s, actor, "bisect", "bisection", bisect_id, details={
+                    "regression_id": body.regression_id, "good": spec["good"],
+                    "bad": spec["bad"], "config": spec["config"], "scenario": spec["scenario"],
+                    "candidates": len(spec["candidates"])})
         log.info("bisection %s queued: %d candidates between %s and %s", bisect_id,
                  len(spec["candidates"]), spec["good"][:10], spec["bad"][:10])
         if start:

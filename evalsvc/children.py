@@ -18,10 +18,10 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 # the service's secrets, which no child (an engine running code of any build a job names, pip
-# running a package's build, git) needs: the API tokens, the database URL (it may hold a password),
-# the alert webhook (its URL is its key), Ray's cluster token and database passwords. HF_TOKEN
-# stays: SGLang downloads gated models.
-SECRET_ENV_NAMES = frozenset({"EVALSVC_DATABASE_URL", "EVALSVC_ALERT_WEBHOOK",
+# running a package's build, git) needs: the API tokens, the users (their tokens), the session
+# secret, the database URL (it may hold a password), the alert webhook (its URL is its key), Ray's
+# cluster token and database passwords. HF_TOKEN stays: SGLang downloads gated models.
+SECRET_ENV_NAMES = frozenset({"EVALSVC_DATABASE_URL", "EVALSVC_ALERT_WEBHOOK", "EVALSVC_USERS",
                               "EVALSVC_TEST_POSTGRES_URL", "RAY_AUTH_TOKEN", "PGPASSWORD",
                               "POSTGRES_PASSWORD"})
 SECRET_ENV_PATTERNS = ("EVALSVC_*TOKEN*", "EVALSVC_*SECRET*", "EVALSVC_*WEBHOOK*",

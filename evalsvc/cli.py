@@ -41,12 +41,19 @@ def engine_demo(
 @app.command()
 def demo(
     matrix: Annotated[str, typer.Option(help="the matrix to submit")] = "smoke",
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", help="only these configs of the matrix")] = None,
+    num_prompts: Annotated[int | None, typer.Option(help="prompts per scenario")] = None,
+    keep: Annotated[bool | None, typer.Option(
+        "--keep/--no-keep", help="keep the service up for the dashboard until Ctrl-C "
+                                 "(default: when run from a terminal)")] = None,
 ) -> None:
     """`make run`: start the service on the embedded defaults, submit the smoke job, wait for it,
-    print its results and where to read them, and stop the service."""
+    print its results, where to read them and where the dashboard shows it (kept up until Ctrl-C
+    from a terminal), and stop the service."""
     from evalsvc.demo import run_service_demo
 
-    raise typer.Exit(run_service_demo(matrix))
+    raise typer.Exit(run_service_demo(matrix, configs, num_prompts, keep))
 
 
 @app.command()
@@ -281,20 +288,27 @@ def serve(
     settings = Settings()
     host = host or settings.host
     port = port or settings.port
-    if not settings.api_token:
+    # a write token: EVALSVC_API_TOKEN or a write user's (a trusted header alone is no token)
+    write_token = settings.api_token or any(u.role == "write" for u in settings.users)
+    if not write_token:
         try:
             loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = False
         if not loopback:
-            typer.echo(f"error: --host {host}: without EVALSVC_API_TOKEN the service binds to "
-                       "loopback only (set a token to serve other hosts)", err=True)
+            typer.echo(f"error: --host {host}: without EVALSVC_API_TOKEN (or a user of role write "
+                       "in EVALSVC_USERS) the service binds to loopback only (set a token to "
+                       "serve other hosts)", err=True)
             raise typer.Exit(2)
     setup_logging(logging.INFO)
     log = logging.getLogger("evalsvc.serve")
-    if not settings.api_token:
+    if not write_token and not (settings.read_token or settings.users
+                                or settings.trusted_user_header):
         log.warning("no EVALSVC_API_TOKEN: mutating endpoints are open, so the service binds to "
                     "%s (loopback) only", host)
+    if settings.session_secret is None and (settings.api_token or settings.read_token
+                                            or settings.users):
+        log.info("no EVALSVC_SESSION_SECRET: dashboard sign-ins last until the service stops")
     # the port first, then the store's lock, then recovery (the app's start-up): a second
     # service on a port or a store in use exits before it touches anything
     try:

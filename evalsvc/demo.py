@@ -1,9 +1,11 @@
-"""What ``make run`` shows: the service evaluating the smoke matrix (``run_service_demo``), and the
-embedded engine serving requests that hit its prefix cache (``run_engine_demo``)."""
+"""What ``make run`` shows: the service evaluating the smoke matrix (``run_service_demo``), then
+where its dashboard shows the job (kept up until Ctrl-C when run from a terminal), and the embedded
+engine serving requests that hit its prefix cache (``run_engine_demo``)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -80,9 +82,21 @@ def run_engine_demo(flags: list[str]) -> int:
     return 0
 
 
-def run_service_demo(matrix: str) -> int:
-    """Start ``evalsvc serve`` (SQLite in ./data), submit a job for ``matrix``, follow it, print the
-    table and where the results are, stop the service."""
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def run_service_demo(matrix: str, configs: list[str] | None = None,
+                     num_prompts: int | None = None, keep: bool | None = None) -> int:
+    """Start ``evalsvc serve`` (SQLite in ./data), submit a job for ``matrix`` (``configs`` of it,
+    ``num_prompts`` prompts), follow it, print the table, where the results are and where the
+    dashboard shows the job. ``keep``: the service stays up for the dashboard until Ctrl-C (None:
+    when stdin is a terminal); else it stops."""
     import os
     import signal
     import subprocess
@@ -95,7 +109,10 @@ def run_service_demo(matrix: str) -> int:
 
     console = Console(width=max(Console().width, 150))
     settings = Settings()
-    port = free_port()
+    if keep is None:
+        keep = sys.stdin.isatty()
+    # the usual port when it is free, so the dashboard's address is the one `evalsvc serve` has
+    port = settings.port if port_free(settings.port) else free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = settings.data_dir / "service.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +135,12 @@ def run_service_demo(matrix: str) -> int:
                     console.print(f"[red]the service did not start[/]; see {log_path}")
                     return 1
                 time.sleep(0.2)
-            resp = client.post("/api/v1/jobs", json={"matrix": matrix})
+            body: dict = {"matrix": matrix}
+            if configs:
+                body["configs"] = configs
+            if num_prompts:
+                body["workload"] = {"num_prompts": num_prompts}
+            resp = client.post("/api/v1/jobs", json=body)
             if resp.status_code != 201:
                 console.print(f"[red]job refused ({resp.status_code}):[/] {resp.text}")
                 return 1
@@ -160,15 +182,31 @@ def run_service_demo(matrix: str) -> int:
             console.print(table)
             console.print("verdicts per scenario and metric: " + ", ".join(
                 f"{n} {k}" for k, n in sorted(judged.items())))
+            outcome = 0 if job["status"] == "done" else 1
+            later = f"http://127.0.0.1:{settings.port}"
             console.print(
                 f"Where to read the results:\n"
                 f"  database     {settings.resolved_database_url()}\n"
                 f"  samples      {settings.results_dir() / job_id}/*.parquet\n"
                 f"  engine logs  {settings.data_dir / 'logs' / job_id}\n"
                 f"  export       .venv/bin/evalsvc export out/{job_id}.csv --job {job_id}\n"
-                f"  browse       .venv/bin/evalsvc serve, then http://127.0.0.1:8000/jobs/{job_id} "
-                f"(dashboard), /regressions, /api/v1/jobs/{job_id} (REST), /docs (OpenAPI)")
-            return 0 if job["status"] == "done" else 1
+                f"  later        .venv/bin/evalsvc serve, then {later}/jobs/{job_id} (dashboard), "
+                f"/regressions, /api/v1/jobs/{job_id} (REST), /docs (OpenAPI)", soft_wrap=True)
+            if not keep:
+                console.print(f"The service stops now (`evalsvc demo --keep` keeps it up for the "
+                              f"dashboard at {base}/jobs/{job_id}).", soft_wrap=True)
+                return outcome
+            console.print(f"[bold]Dashboard of this job: {base}/jobs/{job_id}[/] (jobs {base}/jobs, "
+                          f"regressions {base}/regressions, API {base}/docs). The service stays up "
+                          "for it until Ctrl-C.", soft_wrap=True)
+            try:
+                while proc.poll() is None:
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                console.print("stopping the service")
+                return outcome
+            console.print(f"[red]the service stopped[/]; see {log_path}")
+            return 1
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -44,6 +44,8 @@ from evalsvc.matrix import (
 )
 from evalsvc.paths import inside
 from evalsvc.settings import Settings
+from evalsvc.store import audit
+from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
 from evalsvc.store.models import Job, Run, utcnow
@@ -184,13 +186,18 @@ class JobService:
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, body: JobCreate, trigger: str = "api", extra: dict[str, Any] | None = None,
-               trusted: bool = False) -> str:
+               trusted: bool = False, actor: Actor | None = None) -> str:
         """Validate and queue a job. ``trusted``: from the operator's own configuration (nightly
-        schedules), whose build sources need not be on the allowed list."""
+        schedules), whose build sources need not be on the allowed list. ``actor``: the person
+        submitting it (an audit event, stored with the job)."""
         spec = {**self.normalize(body, trusted=trusted), **(extra or {})}
         job_id = f"{trigger}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         with self.store.session() as s:
             ensure_job(s, job_id, trigger, spec, priority=body.priority, status="queued")
+            if actor is not None:
+                audit.record(s, actor, "submit", "job", job_id, details={
+                    "matrix": spec["matrix_name"], "configs": spec["configs"],
+                    "builds": spec["builds"], "track": spec["track"]})
         log.info("job %s queued (%s, %d build(s))", job_id, spec["matrix_name"],
                  len(spec["builds"]))
         self._wake.set()
@@ -347,18 +354,23 @@ class JobService:
                 raise JobError(f"{where}.source: {exc}") from None
 
     # ---- control ---------------------------------------------------------------------------
-    def cancel(self, job_id: str) -> str | None:
+    def cancel(self, job_id: str, actor: Actor | None = None) -> str | None:
         """Cancel a queued or running job; returns its status, None if there is no such job.
 
         A queued job is ``cancelled`` at once and never starts; a running one answers
         ``cancelling`` and ends ``cancelled``: the runner stops it at its next phase, its
         engines are stopped and its pending runs are cancelled. Each is one conditional update,
-        so a cancel and the runner taking the job up cannot both win."""
+        so a cancel and the runner taking the job up cannot both win. ``actor``: the person
+        cancelling it (an audit event, in the transaction of the update; none when the job had
+        ended already and nothing changed)."""
         now = utcnow()
         with self._lock:  # the runner finishes a job under this lock (_finish)
             with self.store.session() as s:
                 if s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
                              .values(status="cancelled", finished_at=now)).rowcount:
+                    if actor is not None:
+                        audit.record(s, actor, "cancel", "job", job_id,
+                                     details={"status": "cancelled"})
                     self._count("cancelled")
                     log.info("job %s cancelled before it started", job_id)
                     return "cancelled"
@@ -368,6 +380,9 @@ class JobService:
                     .values(cancel_requested_at=now)).rowcount
                 if not running:
                     return s.scalar(select(Job.status).where(Job.id == job_id))
+                if actor is not None:
+                    audit.record(s, actor, "cancel", "job", job_id,
+                                 details={"status": "cancelling"})
             self._cancelled.add(job_id)
         if self.dispatcher is not None:
             self.dispatcher.cancel_job(job_id)

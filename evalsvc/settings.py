@@ -2,11 +2,47 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+Role = Literal["read", "write"]
+USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
+# the names the single tokens and an open service act under (evalsvc/api/auth.py)
+RESERVED_USER_NAMES = ("api-token", "read-token", "anonymous")
+
+
+class UserConfig(BaseModel):
+    """One user of ``EVALSVC_USERS``: a name, a role, and a token or the SHA-256 of one (64 hex
+    digits: ``printf %s TOKEN | sha256sum``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., description="letters, digits, '.', '_', '@', '+', '-'; at most 64")
+    role: Role = "read"
+    token: SecretStr | None = Field(None, min_length=16)
+    token_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not USER_NAME.fullmatch(name):
+            raise ValueError(f"{name[:80]!r} is not a user name (letters, digits, '.', '_', '@', "
+                             "'+', '-', at most 64)")
+        if name in RESERVED_USER_NAMES:
+            raise ValueError(f"{name!r} is reserved (the names of the single tokens and of an "
+                             "open service)")
+        return name
+
+    @model_validator(mode="after")
+    def _one_token(self) -> UserConfig:
+        if (self.token is None) == (self.token_sha256 is None):
+            raise ValueError(f"user {self.name}: give token or token_sha256 (one of them)")
+        return self
 
 
 class Settings(BaseSettings):
@@ -18,6 +54,18 @@ class Settings(BaseSettings):
     port: int = 8000
     api_token: str | None = None  # bearer token for mutating endpoints
     read_token: str | None = None  # bearer token for reads (open when unset)
+    # people: JSON, [{"name": "alice", "role": "write", "token_sha256": "..."}, ...]; their tokens
+    # sign in to the dashboard and are bearer tokens of the API (with any user, reads need one)
+    users: Annotated[list[UserConfig], NoDecode] = Field(default_factory=list)
+    # behind a reverse proxy that authenticates: the header naming the user (X-Forwarded-User);
+    # honoured only when set, and then the service must be reachable through that proxy alone
+    trusted_user_header: str | None = Field(None, pattern=r"^[A-Za-z0-9-]{1,100}$")
+    # the role of a user the header names who is not in EVALSVC_USERS (one who is has theirs)
+    trusted_user_role: Role = "read"
+    # signs the dashboard's session cookie; unset: a random one per start (sign-ins end with it)
+    session_secret: SecretStr | None = Field(None, min_length=16)
+    session_max_age_s: int = Field(12 * 3600, ge=60, le=90 * 86400)  # a sign-in lasts this long
+    session_https_only: bool = False  # the cookie's Secure flag: set it when served over HTTPS
     engine_slots: int = 1  # runs at once (engines on this machine)
     engine_python: str | None = None  # python of the SGLang environment builds are laid over
     # runs go to this Ray cluster (what ray.init(address=...) takes: HOST:6379, ray://HOST:10001
@@ -51,6 +99,34 @@ class Settings(BaseSettings):
     # a job the runner took up this many times without finishing it (each time the service died
     # while running it) is failed by the next start-up's recovery instead of tried again
     runner_max_attempts: int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _distinct_users(self) -> Settings:
+        names = [u.name for u in self.users]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"users: {', '.join(twice)} named more than once")
+        return self
+
+    @field_validator("users", mode="before")
+    @classmethod
+    def _users_json(cls, value):
+        """JSON in the environment; empty (compose's ``${EVALSVC_USERS:-}``): none."""
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            return []
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON ({exc}): a list of {{\"name\", \"role\", "
+                             "\"token\" or \"token_sha256\"} objects") from None
+
+    @field_validator("trusted_user_header", "session_secret", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value):
+        """An empty variable (compose's ``${EVALSVC_SESSION_SECRET:-}``) sets nothing."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-// The dashboard's charts (from the JSON the page embeds) and live job progress.
+// The dashboard's charts (from the JSON the page embeds), live job progress, and the job form.
 "use strict";
 
 const FINISHED = ["done", "failed", "cancelled"];
@@ -136,6 +136,17 @@ async function follow(el) {
   setTimeout(() => follow(el), 2000);
 }
 
+// ---- the job form: choosing another matrix shows its configs ------------------------------------
+
+function reloadWith(select) {
+  const form = select.form;
+  const url = new URL(form.dataset.newJob, window.location.href);
+  for (const [name, value] of new FormData(form)) {
+    if (name !== "csrf_token" && name !== "configs" && value !== "") url.searchParams.append(name, value);
+  }
+  window.location.href = url.toString();
+}
+
 // ---- start ------------------------------------------------------------------------------------
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -144,4 +155,6 @@ document.addEventListener("DOMContentLoaded", () => {
   if (tokenChart) drawTokenChart(tokenChart, data);
   else if (data) drawTrends(data);
   document.querySelectorAll("[data-poll-job]").forEach((el) => setTimeout(() => follow(el), 2000));
+  document.querySelectorAll("select[data-reload-with]").forEach((el) =>
+    el.addEventListener("change", () => reloadWith(el)));
 });

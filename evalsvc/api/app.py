@@ -11,9 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.sessions import SessionMiddleware
 
 from evalsvc import __version__
 from evalsvc.api import routes
+from evalsvc.api.auth import Accounts, session_secret
 from evalsvc.api.deps import Services, require_read
 from evalsvc.api.middleware import HttpGuard
 from evalsvc.dashboard import mount_dashboard
@@ -22,6 +24,7 @@ from evalsvc.settings import Settings
 from evalsvc.store.lock import StoreLocked
 
 log = logging.getLogger("evalsvc.api")
+SESSION_COOKIE = "evalsvc_session"
 
 
 def _unparseable_body(exc: StarletteHTTPException) -> str | None:
@@ -59,8 +62,14 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
                   description="Accuracy and KL-divergence evaluation of SGLang's Mamba-hybrid "
                               "serving paths: jobs, results, history and comparisons.")
     app.state.settings = settings
-    # outermost of the app's own layers: auth, parameters and body size before any route runs
-    app.add_middleware(HttpGuard, settings=settings)
+    secret = session_secret(settings)
+    app.state.accounts = accounts = Accounts(settings, secret)
+    # auth, parameters and body size before any route runs; outside it only the session cookie,
+    # which the guard reads (a signed, HttpOnly, SameSite cookie of the dashboard's sign-in)
+    app.add_middleware(HttpGuard, settings=settings, accounts=accounts)
+    app.add_middleware(SessionMiddleware, secret_key=secret, session_cookie=SESSION_COOKIE,
+                       max_age=settings.session_max_age_s, same_site="lax",
+                       https_only=settings.session_https_only)
     app.include_router(routes.router, prefix="/api/v1")
     mount_dashboard(app)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,11 +15,14 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from evalsvc.api.auth import OPEN_USER, Accounts, User
+from evalsvc.api.middleware import USER_SCOPE_KEY, WRITES_OFF
 from evalsvc.bisect import Bisector
 from evalsvc.dispatch import make_dispatcher
 from evalsvc.jobs import JobService, describe
 from evalsvc.settings import Settings
 from evalsvc.store import shown_url
+from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
 
@@ -134,36 +136,54 @@ def get_session(services: Annotated[Services, Depends(get_services)]) -> Iterato
         yield s
 
 
+def current_user(request: Request) -> User | None:
+    """Who the request is (the guard found it: ``HttpGuard``); None: nobody."""
+    if USER_SCOPE_KEY not in request.scope:  # an app without the guard: ask again
+        accounts: Accounts = request.app.state.accounts
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        bearer = token.strip().encode() if scheme.lower() == "bearer" else b""
+        headers = {k.lower(): v for k, v in request.scope.get("headers", [])}
+        try:
+            user = accounts.identify(bearer, request.scope.get("session"), headers)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+        request.scope[USER_SCOPE_KEY] = user if user or accounts.guarded else OPEN_USER
+    return request.scope[USER_SCOPE_KEY]
+
+
+# the API's bearer scheme in the OpenAPI document (the token itself is read by current_user)
 _bearer = HTTPBearer(auto_error=False)
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def _check(tokens: list[str | None], creds: HTTPAuthorizationCredentials | None, what: str) -> None:
-    wanted = [t for t in tokens if t]
-    if not wanted:
-        return
-    given = creds.credentials.encode() if creds is not None else b""
-    # every token compared (no early exit): the time taken says nothing about which one matched
-    if not sum(hmac.compare_digest(given, t.encode()) for t in wanted):
-        raise HTTPException(status_code=401, detail=f"{what} needs a valid bearer token",
+def require_write(request: Request, _creds: BearerDep) -> User:
+    """A user who may write through the API: a write account's bearer token (anyone, on a service
+    with no accounts)."""
+    accounts: Accounts = request.app.state.accounts
+    user = current_user(request)
+    if not accounts.guarded:
+        return user or OPEN_USER
+    if not accounts.writable:  # reads closed, so writes are not open
+        raise HTTPException(status_code=403, detail=WRITES_OFF)
+    if user is None or user.how != "token" or not user.can_write:
+        raise HTTPException(status_code=401, detail="this endpoint needs a valid bearer token of "
+                            "role write", headers={"WWW-Authenticate": "Bearer"})
+    return user
+
+
+def require_read(request: Request, _creds: BearerDep) -> User | None:
+    """Whoever may read: anyone while reads are open, else a known user."""
+    user = current_user(request)
+    if user is None and request.app.state.accounts.reads_guarded:
+        raise HTTPException(status_code=401, detail="reading needs a valid bearer token",
                             headers={"WWW-Authenticate": "Bearer"})
+    return user
 
 
-def require_write(request: Request,
-                  creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    settings = request.app.state.settings
-    if not settings.api_token and settings.read_token:  # reads closed, so writes are not open
-        raise HTTPException(status_code=403, detail="writes are off: this service has a read "
-                            "token but no write token; they stay off until EVALSVC_API_TOKEN "
-                            "is set")
-    _check([settings.api_token], creds, "this endpoint")
-
-
-def require_read(request: Request,
-                 creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    settings = request.app.state.settings
-    if settings.read_token:  # the write token reads too
-        _check([settings.read_token, settings.api_token], creds, "reading")
+def actor(user: User, via: str) -> Actor:
+    return Actor(user.name, via)
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 SessionDep = Annotated[Session, Depends(get_session)]
+WriteUserDep = Annotated[User, Depends(require_write)]

@@ -1,12 +1,17 @@
 """The service's outer guard, a pure ASGI middleware that acts on the request line and headers
 before any route runs, so nothing reads a body it would refuse:
 
-* Auth. A mutating request (any method but GET, HEAD and OPTIONS) needs the write token
-  (``EVALSVC_API_TOKEN``) as a bearer token; with a read token but no write token set, writes are
-  off (403). With ``EVALSVC_READ_TOKEN`` set, every read but ``/healthz`` and the dashboard's
-  assets (``/static/``, ``/vendor/``: they hold no results) needs the read or the write token:
-  the API, the dashboard, ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``. The routes'
-  ``require_write``/``require_read`` dependencies check the same again.
+* Auth (who is asking: ``evalsvc/api/auth.py``). With no accounts at all (no token, no user, no
+  trusted header) everything is open (the service binds loopback only). Otherwise a mutating
+  request of the API (any method but GET, HEAD and OPTIONS) needs a write token as a bearer token
+  (``EVALSVC_API_TOKEN`` or a write user's); a dashboard form needs a signed-in (or
+  proxy-named) user of role write, a read user is refused with 403 (the route checks the form's
+  CSRF token); with no write account at all, writes are off (403). Reads are open with the write
+  token alone; with a read token, any user or a trusted header, every read but ``/healthz``, the
+  sign-in page and the dashboard's assets (``/static/``, ``/vendor/``: they hold no results) needs
+  someone: a bearer token, a session or the header. A browser asking for a page (``Accept:
+  text/html``) is sent to ``/login`` instead of getting the 401. The routes' dependencies check the
+  same again.
 * Parameters. A query parameter or a path holding what SQLite or PostgreSQL cannot store as text
   (NUL, a lone surrogate) is refused with 422 naming it.
 * Body size. A body over ``EVALSVC_MAX_BODY_BYTES`` is refused with 413: at once when its
@@ -16,17 +21,22 @@ before any route runs, so nothing reads a body it would refuse:
 
 from __future__ import annotations
 
-import hmac
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, quote
 
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from evalsvc.api.auth import OPEN_USER, Accounts, User
 from evalsvc.settings import Settings
 
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz"})  # liveness probes carry no token
 OPEN_PREFIXES = ("/static/", "/vendor/")  # the dashboard's CSS and scripts: no results in them
+# signing in and out: open to anyone (their forms carry the session's CSRF token)
+SIGN_IN_PATHS = frozenset({"/login", "/logout"})
+# what is not the dashboard's: the API and its documents, and the service's own endpoints
+API_PREFIXES = ("/api/", "/docs", "/redoc", "/openapi.json", "/metrics", "/healthz")
+USER_SCOPE_KEY = "evalsvc.user"  # the User the guard found (None: nobody), for the routes
 
 
 def unstorable(value: str) -> str | None:
@@ -46,9 +56,10 @@ class BodyTooLarge(Exception):
 
 
 class HttpGuard:
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, accounts: Accounts) -> None:
         self.app = app
         self.settings = settings
+        self.accounts = accounts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,28 +80,40 @@ class HttpGuard:
             return
         await self._limited(scope, receive, send, limit)
 
-    def _auth(self, scope: Scope, headers: dict[bytes, bytes]) -> JSONResponse | None:
-        write, read = self.settings.api_token, self.settings.read_token
-        given = _bearer(headers)
-        if scope["method"] not in READ_METHODS:
-            if write:
-                if _matches(given, [write]):
-                    return None
-                return _unauthorized("writes need the write token (EVALSVC_API_TOKEN) as "
-                                     "'Authorization: Bearer TOKEN'")
-            if read:
-                return JSONResponse(
-                    {"detail": "writes are off: this service has a read token but no write "
-                               "token; they stay off until EVALSVC_API_TOKEN is set"},
-                    status_code=403)
-            return None  # no tokens at all: the service binds loopback only
+    def _auth(self, scope: Scope, headers: dict[bytes, bytes]) -> Response | None:
+        accounts = self.accounts
+        try:
+            user = accounts.identify(_bearer(headers), scope.get("session"), headers)
+        except ValueError as exc:  # the trusted header holds no usable name
+            return JSONResponse({"detail": str(exc)}, status_code=400)
+        if user is None and not accounts.guarded:
+            user = OPEN_USER  # no accounts at all: the service binds loopback only
+        scope[USER_SCOPE_KEY] = user
         path = scope["path"]
-        if not read or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+        api = path.startswith(API_PREFIXES)
+        if scope["method"] not in READ_METHODS:
+            if not accounts.guarded or (path in SIGN_IN_PATHS and not api):
+                return None
+            if not accounts.writable:
+                return JSONResponse({"detail": WRITES_OFF}, status_code=403)
+            if api:  # the API takes bearer tokens
+                if user is not None and user.how == "token" and user.can_write:
+                    return None
+                return _unauthorized("writes need a write token (EVALSVC_API_TOKEN, or a write "
+                                     "user's of EVALSVC_USERS) as 'Authorization: Bearer TOKEN'")
+            if user is None:  # a dashboard form
+                return _sign_in(scope, headers) or _unauthorized(
+                    "this form needs a signed-in user of role write (sign in at /login)")
+            if not user.can_write:
+                return JSONResponse({"detail": read_only(user)}, status_code=403)
             return None
-        if _matches(given, [read, write]):
+        if (not accounts.reads_guarded or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+                or path in SIGN_IN_PATHS or user is not None):
             return None
-        return _unauthorized("reading needs the read token (EVALSVC_READ_TOKEN) or the write "
-                             "token as 'Authorization: Bearer TOKEN'")
+        return (None if api else _sign_in(scope, headers)) or _unauthorized(
+            "reading needs a token as 'Authorization: Bearer TOKEN' (the read token "
+            "EVALSVC_READ_TOKEN, the write token or a user's of EVALSVC_USERS), or a sign-in on "
+            "the dashboard")
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         received = 0
@@ -134,12 +157,27 @@ def _bearer(headers: dict[bytes, bytes]) -> bytes:
     return credentials.strip() if scheme.lower() == b"bearer" else b""
 
 
-def _matches(given: bytes, tokens: list[str | None]) -> bool:
-    ok = False
-    for token in tokens:
-        if token:  # compare with each (no early exit): the time says nothing about which
-            ok = hmac.compare_digest(given, token.encode()) or ok
-    return ok
+WRITES_OFF = ("writes are off: this service has no write token (EVALSVC_API_TOKEN, or a user of "
+              "role write in EVALSVC_USERS); they stay off until one is set")
+
+
+def read_only(user: User) -> str:
+    return (f"{user.name} has the read role: this needs a user of role write (EVALSVC_USERS, "
+            "or the write token EVALSVC_API_TOKEN)")
+
+
+def _sign_in(scope: Scope, headers: dict[bytes, bytes]) -> Response | None:
+    """A browser's request (it asks for HTML) goes to the sign-in page, coming back to the page
+    it asked for; None for any other client."""
+    if b"text/html" not in headers.get(b"accept", b""):
+        return None
+    root = scope.get("root_path", "")
+    target = scope["path"]
+    if scope["method"] in READ_METHODS and target != "/":
+        query = scope.get("query_string", b"").decode("latin-1")
+        target += f"?{query}" if query else ""
+        return RedirectResponse(f"{root}/login?next={quote(target, safe='')}", status_code=303)
+    return RedirectResponse(f"{root}/login", status_code=303)
 
 
 def _parameters(scope: Scope) -> JSONResponse | None:
@@ -161,7 +199,7 @@ def _invalid(detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=422)
 
 
-def _unauthorized(detail: str) -> JSONResponse:
+def _unauthorized(detail: str) -> Response:
     return JSONResponse({"detail": detail}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -11,12 +11,12 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import AfterValidator, BaseModel, Field
 from sqlalchemy import select
 
-from evalsvc.api.deps import ServicesDep, SessionDep, require_read, require_write
+from evalsvc.api.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
 from evalsvc.api.middleware import unstorable
 from evalsvc.bisect import BisectCreate
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
-from evalsvc.store import queries
+from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression, Run
 from evalsvc.verdicts import compare_builds
 
@@ -78,12 +78,11 @@ def _public(job: Job) -> JobPublic:
                      started_at=job.started_at, finished_at=job.finished_at, error=job.error)
 
 
-@router.post("/jobs", status_code=201, response_model=JobPublic, tags=["jobs"],
-             dependencies=[Depends(require_write)])
-def create_job(body: JobCreate, services: ServicesDep) -> JobPublic:
+@router.post("/jobs", status_code=201, response_model=JobPublic, tags=["jobs"])
+def create_job(body: JobCreate, services: ServicesDep, user: WriteUserDep) -> JobPublic:
     """Submit a job (a matrix on one or two builds); refused with 422 naming the problem."""
     try:
-        job_id = services.jobs.submit(body, trigger="api")
+        job_id = services.jobs.submit(body, trigger="api", actor=actor(user, "api"))
     except JobError as exc:
         raise HTTPException(status_code=422, detail=str(exc)) from None
     with services.store.session() as s:
@@ -120,10 +119,10 @@ def read_job(job_id: JobId, session: SessionDep) -> JobDetail:
                      progress=dict(Counter(r["status"] for r in runs)), comparison=comparison)
 
 
-@router.post("/jobs/{job_id}/cancel", tags=["jobs"], dependencies=[Depends(require_write)])
-def cancel_job(job_id: JobId, services: ServicesDep) -> dict[str, str]:
+@router.post("/jobs/{job_id}/cancel", tags=["jobs"])
+def cancel_job(job_id: JobId, services: ServicesDep, user: WriteUserDep) -> dict[str, str]:
     """Cancel a job: queued ones never start, running ones stop their engines."""
-    status = services.jobs.cancel(job_id)
+    status = services.jobs.cancel(job_id, actor=actor(user, "api"))
     if status is None:
         raise HTTPException(status_code=404, detail=f"no job {job_id}")
     return {"id": job_id, "status": status}
@@ -275,13 +274,13 @@ def read_regression(regression_id: RunId, session: SessionDep) -> dict[str, Any]
     return queries.regression_dict(session, r)
 
 
-@router.patch("/regressions/{regression_id}", tags=["verdicts"],
-              dependencies=[Depends(require_write)])
-def triage_regression(regression_id: RunId, body: TriageUpdate, session: SessionDep
-                      ) -> dict[str, Any]:
+@router.patch("/regressions/{regression_id}", tags=["verdicts"])
+def triage_regression(regression_id: RunId, body: TriageUpdate, session: SessionDep,
+                      user: WriteUserDep) -> dict[str, Any]:
     """Triage a regression: acknowledged, expected or fixed, with a comment."""
     try:
-        r = queries.triage_regression(session, regression_id, body.triage, body.comment)
+        r = queries.triage_regression(session, regression_id, body.triage, body.comment,
+                                      actor=actor(user, "api"))
     except KeyError:
         raise HTTPException(status_code=404, detail=f"no regression {regression_id}") from None
     return queries.regression_dict(session, r)
@@ -293,13 +292,13 @@ def read_alerts(session: SessionDep) -> list[dict[str, Any]]:
     return queries.alerts(session)
 
 
-@router.post("/bisections", status_code=201, tags=["bisections"],
-             dependencies=[Depends(require_write)])
-def create_bisection(body: BisectCreate, services: ServicesDep) -> dict[str, Any]:
+@router.post("/bisections", status_code=201, tags=["bisections"])
+def create_bisection(body: BisectCreate, services: ServicesDep, user: WriteUserDep
+                     ) -> dict[str, Any]:
     """Find the first bad commit between a good and a bad one of a git source, running only the
     failing config on midpoints (give the fields, or a regression_id to take them from)."""
     try:
-        bisect_id = services.bisector.submit(body)
+        bisect_id = services.bisector.submit(body, actor=actor(user, "api"))
     except JobError as exc:
         raise HTTPException(status_code=422, detail=str(exc)) from None
     with services.store.session() as s:
@@ -317,3 +316,15 @@ def read_bisection(bisect_id: JobId, session: SessionDep) -> dict[str, Any]:
     if b is None:
         raise HTTPException(status_code=404, detail=f"no bisection {bisect_id}")
     return queries.bisection_dict(b)
+
+
+@router.get("/audit", tags=["audit"])
+def read_audit(session: SessionDep,
+               target_type: Annotated[Literal["regression", "job", "bisection"] | None,
+                                      Query()] = None,
+               target_id: Annotated[str | None, Query(max_length=64)] = None,
+               user: Annotated[str | None, Query(max_length=200)] = None,
+               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+    """Who did what and when (triage, jobs submitted and cancelled, bisections), newest first."""
+    return audit.events(session, target_type=target_type, target_id=target_id, user=user,
+                        limit=limit)

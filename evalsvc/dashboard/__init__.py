@@ -1,5 +1,6 @@
-"""The web dashboard: HTML pages over the store (``views``), templates and assets under
-``dashboards/``, and Plotly's JavaScript from the installed ``plotly`` package."""
+"""The web dashboard: HTML pages over the store (``views``), the forms people act through
+(``actions``: sign-in, triage, bisections, jobs), templates and assets under ``dashboards/``, and
+Plotly's JavaScript from the installed ``plotly`` package."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from evalsvc.dashboard import actions
 from evalsvc.dashboard.views import DASHBOARDS_DIR, router
 
 
@@ -24,9 +26,13 @@ def plotly_js() -> Path:
 
 
 def mount_dashboard(app: FastAPI) -> None:
-    """Add the pages, ``/static`` (dashboards/static) and ``/vendor/plotly.min.js`` to ``app``."""
+    """Add the pages and forms, ``/static`` (dashboards/static) and ``/vendor/plotly.min.js`` to
+    ``app``."""
     script = plotly_js()
+    app.include_router(actions.sign_in_router)
+    app.include_router(actions.router)
     app.include_router(router)
+    app.add_exception_handler(actions.FormRefused, actions.form_refused)
     app.mount("/static", StaticFiles(directory=DASHBOARDS_DIR / "static"), name="static")
 
     @app.get("/vendor/plotly.min.js", include_in_schema=False)

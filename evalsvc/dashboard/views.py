@@ -1,8 +1,10 @@
-"""The dashboard's HTML pages: overview, commits, jobs, a job, compare, regressions, bisections,
-and a sample's tokens.
+"""The dashboard's HTML pages: overview, commits, jobs, a job, compare, regressions (and one
+regression), bisections, and a sample's tokens.
 
 Pages render server-side from the store's queries; chart data goes into the page as JSON, drawn by
-Plotly (served from the installed ``plotly`` package, nothing from the internet).
+Plotly (served from the installed ``plotly`` package, nothing from the internet). Every page knows
+who is reading it (``user``) and carries the session's CSRF token for its forms; the forms' routes
+are in ``actions``.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from evalsvc.api.deps import SessionDep, require_read
+from evalsvc.api.auth import csrf_token
+from evalsvc.api.deps import SessionDep, current_user, require_read
 from evalsvc.api.routes import JobId, RunId
+from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
-from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
-from evalsvc.store import queries
-from evalsvc.store.models import Bisection, Build, Regression, Run, Sample
+from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
+from evalsvc.store import audit, queries
+from evalsvc.store.models import Bisection, Build, Commit, Regression, Run, Sample
 from evalsvc.thresholds import limits_for
 from evalsvc.verdicts import compare_builds
 
@@ -84,14 +88,25 @@ def runs_url(request: Request) -> str:
     return request.url_for("read_run_page", run_id=1).path.removesuffix("1")
 
 
+ERROR_TITLES = {401: "Sign-in needed", 403: "Not allowed", 404: "Not found"}
+
+
 def page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
-    return templates.TemplateResponse(request, name, {"runs_url": runs_url(request), **context},
-                                      status_code=status_code)
+    """A template rendered for this request: with who reads it (``user``, None: nobody signed in;
+    ``can_write``), whether a sign-in is possible (``sign_in``) and the session's CSRF token
+    (``csrf``) for its forms."""
+    user = current_user(request)
+    return templates.TemplateResponse(
+        request, name, {"runs_url": runs_url(request), "user": user,
+                        "can_write": user is not None and user.can_write,
+                        "sign_in": request.app.state.accounts.guarded,
+                        "csrf": csrf_token(request.session), **context},
+        status_code=status_code)
 
 
 def problem(request: Request, status_code: int, message: str) -> HTMLResponse:
-    return page(request, "error.html", status_code, title="Not found" if status_code == 404
-                else "Bad request", message=message)
+    return page(request, "error.html", status_code,
+                title=ERROR_TITLES.get(status_code, "Bad request"), message=message)
 
 
 def _blank(value: str | None) -> str | None:
@@ -219,6 +234,67 @@ def read_jobs_page(request: Request, session: SessionDep,
                 jobs=queries.job_summaries(session, status=status, limit=PAGE_SIZE))
 
 
+# ---- posting a job (the form; it posts to actions.create_job_form) --------------------------
+
+def source_of(session: Session, ref: str | None) -> str:
+    """The build source that makes a stored commit again, for the job form: ``git:REPO@SHA``,
+    ``sglang==VERSION``, ``path:DIR``, or "" (the embedded engine as installed, or unknown)."""
+    commit = session.scalar(select(Commit).where(Commit.ref == ref)) if ref else None
+    if commit is None or commit.repository == EMBEDDED_REPOSITORY:
+        return ""
+    if commit.sha:
+        return f"git:{commit.repository}@{commit.sha}"
+    if commit.version and "+tree-" in commit.version:
+        return f"path:{commit.repository}"
+    return f"sglang=={commit.version}" if commit.version else ""
+
+
+def job_form(matrix: str | None = None, configs: Iterable[str] = (),
+             builds: list[tuple[str, str]] | None = None, **values: Any) -> dict[str, Any]:
+    """What the job form shows: the matrices under configs/, the chosen one's configs (those in
+    ``configs`` ticked; none ticked: all), one or two builds as (source, patches), and the other
+    fields' values (``num_prompts``, ``track``, ``priority``, ``error``)."""
+    names = matrix_names()
+    if matrix not in names:
+        matrix = "smoke" if "smoke" in names else (names[0] if names else None)
+    try:
+        all_configs = [c.name for c in expand(load_matrix(matrix))] if matrix else []
+    except MatrixError as exc:
+        all_configs, values = [], {**values, "error": values.get("error") or str(exc)}
+    builds = list(builds or [("", "")])
+    return {"matrices": names, "matrix": matrix, "configs": all_configs,
+            "checked": [c for c in configs if c in all_configs],
+            "baseline": builds[0], "contender": builds[1] if len(builds) > 1 else builds[0],
+            "second_build": len(builds) > 1, "num_prompts": "", "track": False, "priority": 0,
+            "error": None, **values}
+
+
+Patches = Annotated[str, Query(max_length=500)]
+
+
+@router.get("/jobs/new")
+def read_new_job_page(request: Request, session: SessionDep, matrix: Text = None,
+                      baseline: Text = None, baseline_source: Text = None,
+                      baseline_patches: Patches = "", contender: Text = None,
+                      contender_source: Text = None, contender_patches: Patches = "",
+                      second_build: Text = None,
+                      configs: Annotated[list[str] | None, Query(max_length=1000)] = None,
+                      num_prompts: Annotated[str, Query(max_length=20)] = "",
+                      track: Text = None) -> HTMLResponse:
+    """The form that posts a job: a matrix (or some of its configs) on a commit, or on two builds
+    (a commit with and without a fix); prefilled from a commit (``baseline``, ``contender``:
+    stored commit refs) or from the form's own fields (``*_source``)."""
+    first = baseline_source if baseline_source is not None else source_of(session, baseline)
+    builds = [(first, baseline_patches)]
+    if contender or contender_patches or second_build:
+        second = (contender_source if contender_source is not None
+                  else source_of(session, contender) if contender else first)
+        builds.append((second, contender_patches))
+    return page(request, "job_new.html", title="Post a job",
+                form=job_form(matrix, configs or [], builds, num_prompts=num_prompts,
+                              track=bool(track)))
+
+
 def log_tail(path: str | None) -> str | None:
     """The last LOG_TAIL_BYTES of an engine log (from a line start), None if it is not here."""
     if not path:
@@ -297,7 +373,7 @@ def read_job_page(job_id: JobId, request: Request, session: SessionDep) -> HTMLR
             baseline_patches=builds[0]["patch_set"], contender_patches=builds[1]["patch_set"])
     return page(request, "job.html", title=f"Job {job_id}", job=job, builds=builds, runs=runs,
                 table=matrix_table(runs, builds), progress=progress, finished=FINISHED,
-                compare_link=compare_link)
+                compare_link=compare_link, history=audit.history(session, [("job", job_id)]))
 
 
 @router.get("/runs/{run_id}")
@@ -355,8 +431,18 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
     rows.sort(key=lambda r: (COMPARE_ORDER.index(r["verdict"]), -(r["delta"] or 0.0),
                              r["config"], r["scenario"]))
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COMPARE_ORDER}
+    new_job = None
+    user = current_user(request)
+    if user is not None and user.can_write:  # the same comparison again, or on fewer configs
+        matrices = session.scalars(select(Run.matrix).where(
+            Run.id.in_([r["contender_run"] for r in rows]))).all()
+        new_job = job_form(matrices[0] if matrices else None,
+                           dict.fromkeys(r["config"] for r in rows),
+                           [(source_of(session, baseline), baseline_patches),
+                            (source_of(session, contender), contender_patches)])
     return page(request, "compare.html", title="Compare", form=form, recent=recent, rows=rows,
-                counts={v: n for v, n in counts.items() if n}, permalink=str(request.url))
+                counts={v: n for v, n in counts.items() if n}, permalink=str(request.url),
+                new_job=new_job)
 
 
 # ---- regressions and bisections ------------------------------------------------------------
@@ -389,8 +475,10 @@ def regression_rows(session: Session, limit: int = REGRESSIONS_SHOWN) -> list[di
                                  .order_by(Bisection.created_at)):
             bisections[b.regression_id].append({"id": b.id, "status": b.status,
                                                 "first_bad": b.first_bad})
+    triaged_by = audit.last_triage_by(session, [r["id"] for r in rows])
     for r in rows:
         r["bisections"] = bisections[r["id"]]
+        r["triaged_by"] = triaged_by.get(r["id"])
     return rows
 
 
@@ -406,7 +494,7 @@ def regression_api(request: Request) -> str:
 @router.get("/regressions")
 def read_regressions_page(request: Request, session: SessionDep) -> HTMLResponse:
     """Regressions, open ones first: their triage, commits, and the evidence of the verdict that
-    opened them; triage goes through the API."""
+    opened them; each one's page triages and bisects it."""
     rows = regression_rows(session)
     return page(request, "regressions.html", title="Regressions",
                 open=[r for r in rows if r["state"] == "open"],
@@ -414,6 +502,32 @@ def read_regressions_page(request: Request, session: SessionDep) -> HTMLResponse
                 full=len(rows) == REGRESSIONS_SHOWN, triage_api=regression_api(request),
                 triage_values=TRIAGE,
                 write_token=bool(request.app.state.settings.api_token))
+
+
+def regression_page(request: Request, session: Session, regression_id: int,
+                    status_code: int = 200, **context: Any) -> HTMLResponse:
+    """A regression's page (``context``: an error and the values of a form that was refused)."""
+    r = session.get(Regression, regression_id)
+    if r is None:
+        return problem(request, 404, f"no regression {regression_id}")
+    row = queries.regression_dict(session, r)
+    row["bisections"] = [{"id": b.id, "status": b.status, "first_bad": b.first_bad}
+                         for b in session.scalars(select(Bisection)
+                                                  .where(Bisection.regression_id == r.id)
+                                                  .order_by(Bisection.created_at))]
+    targets = [("regression", r.id), *(("bisection", b["id"]) for b in row["bisections"])]
+    return page(request, "regression.html", status_code, title=f"Regression #{r.id}", r=row,
+                triage_values=TRIAGE, history=audit.history(session, targets),
+                triage_api=regression_api(request),
+                write_token=bool(request.app.state.settings.api_token), **context)
+
+
+@router.get("/regressions/{regression_id}")
+def read_regression_page(regression_id: RunId, request: Request, session: SessionDep
+                         ) -> HTMLResponse:
+    """A regression: its series, commits and evidence, its bisections, who triaged it and how
+    (the forms triage and bisect it)."""
+    return regression_page(request, session, regression_id)
 
 
 def bisection_view(b: dict[str, Any]) -> dict[str, Any]:
@@ -447,7 +561,8 @@ def read_bisection_page(bisect_id: JobId, request: Request, session: SessionDep)
     if b is None:
         return problem(request, 404, f"no bisection {bisect_id}")
     return page(request, "bisection.html", title=f"Bisection {bisect_id}",
-                b=bisection_view(queries.bisection_dict(b)))
+                b=bisection_view(queries.bisection_dict(b)),
+                history=audit.history(session, [("bisection", bisect_id)]))
 
 
 # ---- a sample's tokens ---------------------------------------------------------------------

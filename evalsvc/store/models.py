@@ -296,3 +296,20 @@ class Bisection(Base):
                                                                  ondelete="SET NULL"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class AuditEvent(Base):
+    """Who did what, and when: an action a person took on a regression, a job or a bisection,
+    through the API or the dashboard."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_target", "target_type", "target_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    user_name: Mapped[str] = mapped_column(String(200))
+    via: Mapped[str] = mapped_column(String(20))  # api | dashboard
+    action: Mapped[str] = mapped_column(String(40))  # triage submit cancel bisect
+    target_type: Mapped[str] = mapped_column(String(20))  # regression | job | bisection
+    target_id: Mapped[str] = mapped_column(String(64))
+    comment: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSON)

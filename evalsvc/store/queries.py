@@ -9,6 +9,8 @@ from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from evalsvc.metrics import paired_difference_cis
+from evalsvc.store import audit
+from evalsvc.store.audit import Actor
 from evalsvc.store.models import (
     Alert,
     Bisection,
@@ -154,6 +156,7 @@ def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
     return {"id": job.id, "trigger": job.trigger, "status": job.status, "priority": job.priority,
             "spec": job.spec, "created_at": job.created_at, "started_at": job.started_at,
             "finished_at": job.finished_at, "error": job.error,
+            "cancel_requested_at": job.cancel_requested_at,
             "runs": [{"id": r.id, "config": r.config, "fingerprint": r.fingerprint,
                       "build_id": r.build_id, "build": r.build.commit.ref
                       + (f"+{r.build.patch_set}" if r.build.patch_set else ""),
@@ -234,11 +237,17 @@ def regressions(session: Session, state: str | None = None, limit: int = 200
 
 
 def triage_regression(session: Session, regression_id: int, triage: str | None,
-                      comment: str | None) -> Regression:
+                      comment: str | None, actor: Actor | None = None) -> Regression:
+    """Set a regression's triage and comment; ``actor``: who did it (an audit event, in the same
+    transaction)."""
     r = session.get(Regression, regression_id)
     if r is None:
         raise KeyError(f"no regression {regression_id}")
+    previous = r.triage
     r.triage, r.comment, r.triaged_at = triage, comment, utcnow()
+    if actor is not None:
+        audit.record(session, actor, "triage", "regression", r.id, comment=comment,
+                     details={"triage": triage, "previous": previous})
     session.flush()
     return r
 

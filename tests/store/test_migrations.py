@@ -30,16 +30,16 @@ def tables(url: str, engines: list) -> set[str]:
 
 
 def test_model_tables():
-    assert sorted(MODEL_TABLES) == ["alerts", "bisections", "builds", "commits", "golden_runs",
-                                    "jobs", "metrics", "regressions", "runs", "samples",
-                                    "scenarios", "verdicts"]
+    assert sorted(MODEL_TABLES) == ["alerts", "audit_events", "bisections", "builds", "commits",
+                                    "golden_runs", "jobs", "metrics", "regressions", "runs",
+                                    "samples", "scenarios", "verdicts"]
 
 
 def test_upgrade_to_head_and_downgrade_to_base(db_url, engines):
     assert current(db_url) is None
     assert tables(db_url, engines) == set()
     upgrade(db_url)
-    assert current(db_url) == head(db_url) == "0005"
+    assert current(db_url) == head(db_url) == "0006"
     assert tables(db_url, engines) == MODEL_TABLES
     upgrade(db_url)  # at head already: nothing to do
     assert current(db_url) == head(db_url)
@@ -131,4 +131,27 @@ def test_0004_counts_attempts_from_zero_on_existing_jobs(db_url, engines):
     downgrade(db_url, "0003")
     with engine.connect() as conn:
         assert conn.execute(text("SELECT id, status FROM jobs")).all() == [("old", "running")]
+    engine.dispose()
+
+
+def test_0006_adds_the_audit_events_and_keeps_what_was_stored(db_url, engines):
+    """A store at 0005 with a triaged regression's job: 0006 adds an empty audit_events table
+    that takes an event; down again, the table goes and the rest stays."""
+    upgrade(db_url, "0005")
+    engine = make_engine(db_url)
+    engines.append(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO jobs (id, trigger, status, priority, spec, created_at, "
+                          "attempts) VALUES ('old', 'api', 'done', 0, '{}', CURRENT_TIMESTAMP, 0)"))
+    upgrade(db_url)
+    assert "audit_events" in tables(db_url, engines)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT count(*) FROM audit_events")).scalar() == 0
+        conn.execute(text("INSERT INTO audit_events (at, user_name, via, action, target_type, "
+                          "target_id, comment, details) VALUES (CURRENT_TIMESTAMP, 'alice', "
+                          "'dashboard', 'cancel', 'job', 'old', NULL, '{}')"))
+    downgrade(db_url, "0005")
+    assert "audit_events" not in tables(db_url, engines)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT id FROM jobs")).scalars().all() == ["old"]
     engine.dispose()

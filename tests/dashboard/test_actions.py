@@ -1,0 +1,245 @@
+"""Acting from the dashboard's pages, in process (Starlette's test client, the runner off), on
+SQLite and PostgreSQL: a triage, a cancel and a job posted through the forms go through the
+service code the API uses and are recorded with the user and the time (as the API's are); the
+regression, job and bisection pages show that history; read users get the pages without the
+controls and are refused the forms' writes; no form is taken without its CSRF token; bad input
+names the field and stores nothing."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from evalsvc.api.app import create_app
+from evalsvc.settings import Settings
+from evalsvc.store.db import Store
+from evalsvc.store.models import AuditEvent, Job, Regression, Run
+from tests.dashboard.test_sign_in import ALICE, BOB, SECRET, USERS, csrf_of, sign_in
+from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
+
+CONFIG = "mamba2-eb-ov-c64"
+WRITE_TOKEN = {"Authorization": "Bearer write-secret-token"}
+
+
+@pytest.fixture
+def regression_id(db_url, tmp_path) -> int:
+    """An open, untriaged regression over one recorded run."""
+    store = Store(db_url)
+    try:
+        record(store, tmp_path / "results", "job-a", build_ref("aaa111"),
+               [run_result(CONFIG, {"cold": [1e-13, 2e-13]})])
+        with store.session() as s:
+            run_id = s.scalars(select(Run.id)).one()
+            r = Regression(fingerprint=fingerprint_of(CONFIG), scenario="cold",
+                           metric="kl_k3_mean", config=CONFIG, matrix="smoke", state="open",
+                           first_run_id=run_id, last_run_id=run_id, runs_seen=1,
+                           opened_at=BASE_TIME)
+            s.add(r)
+            s.flush()
+            return r.id
+    finally:
+        store.close()
+
+
+def make_client(tmp_path: Path, db_url: str, **overrides) -> TestClient:
+    settings = Settings(data_dir=tmp_path / "data", database_url=db_url, nightly=False,
+                        users=USERS, session_secret=SECRET, api_token="write-secret-token",
+                        **overrides)
+    return TestClient(create_app(settings, start_runner=False))
+
+
+def counts(db_url: str) -> tuple[int, int]:
+    """Audit events and jobs stored."""
+    store = Store(db_url, migrate=False)
+    try:
+        with store.session() as s:
+            return (s.scalar(select(func.count()).select_from(AuditEvent)),
+                    s.scalar(select(func.count()).select_from(Job)))
+    finally:
+        store.close()
+
+
+def history(html: str) -> list[tuple[str, str, str]]:
+    """The page's history rows: (who, what, comment)."""
+    section = html[html.index('id="history"'):]
+    return [(who, re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", what)).strip(), comment.strip())
+            for who, what, comment in re.findall(
+                r'<td class="who">(.*?)</td>\s*<td class="what">(.*?)</td>\s*'
+                r'<td class="comment">(.*?)</td>', section, re.S)]
+
+
+def test_a_triage_from_the_page_is_recorded_with_the_user(tmp_path, db_url, regression_id):
+    with make_client(tmp_path, db_url) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        page = c.get(f"/regressions/{regression_id}")
+        assert 'id="triage-form"' in page.text and 'id="bisect-form"' in page.text
+        assert "Nobody has acted on it yet." in page.text
+        resp = c.post(f"/regressions/{regression_id}/triage", follow_redirects=False,
+                      data={"triage": "acknowledged", "comment": "looking into <it>",
+                            "csrf_token": csrf_of(page.text)})
+        assert resp.status_code == 303
+        assert resp.headers["location"] == f"/regressions/{regression_id}#history"
+        reg = c.get(f"/api/v1/regressions/{regression_id}").json()
+        assert (reg["triage"], reg["comment"]) == ("acknowledged", "looking into <it>")
+
+        # the API's triage goes through the same code, recorded under the token's user
+        resp = c.patch(f"/api/v1/regressions/{regression_id}", headers=WRITE_TOKEN,
+                       json={"triage": "expected", "comment": "an intended change"})
+        assert resp.status_code == 200
+        page = c.get(f"/regressions/{regression_id}").text
+        assert history(page) == [
+            ("alice", "triaged acknowledged", "looking into &lt;it&gt;"),
+            ("api-token", "triaged expected (was acknowledged)", "an intended change")]
+        events = c.get("/api/v1/audit", params={"target_type": "regression"}).json()
+        assert [(e["user"], e["via"], e["action"], e["target_id"], e["details"]["triage"])
+                for e in events] == [
+            ("api-token", "api", "triage", str(regression_id), "expected"),
+            ("alice", "dashboard", "triage", str(regression_id), "acknowledged")]
+        assert all(e["at"].startswith("20") for e in events)
+        listing = c.get("/regressions").text
+        assert '<span class="triaged-by">api-token</span>' in listing
+
+
+def test_bad_form_input_names_the_field_and_stores_nothing(tmp_path, db_url, regression_id):
+    before = counts(db_url)
+    with make_client(tmp_path, db_url) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        csrf = csrf_of(c.get(f"/regressions/{regression_id}").text)
+        for data, named in (({"triage": "bogus"}, "triage: Input should be"),
+                            ({"triage": "fixed", "comment": "a\x00b"}, "comment: Value error"),
+                            ({"triage": "fixed", "comment": "x" * 4001}, "comment: String")):
+            resp = c.post(f"/regressions/{regression_id}/triage", data={**data, "csrf_token": csrf})
+            assert resp.status_code == 422, resp.text
+            assert named in resp.text, (named, re.search(r'id="form-error">(.*?)<', resp.text))
+        # a bisection needs a good and a bad git commit, which this regression lacks
+        resp = c.post(f"/regressions/{regression_id}/bisect", data={"csrf_token": csrf})
+        assert resp.status_code == 422
+        assert "regression_id: regression" in resp.text and "no good and bad git commits" in resp.text
+        # a job on a config the matrix has not
+        resp = c.post("/jobs", data={"matrix": "smoke", "configs": ["no-such-config"],
+                                     "csrf_token": csrf})
+        assert resp.status_code == 422
+        assert "configs: no-such-config not in matrix smoke" in resp.text
+        assert 'value="no-such-config"' not in resp.text  # the form shows the matrix's own
+        resp = c.post("/jobs", data={"matrix": "smoke", "num_prompts": "many", "csrf_token": csrf})
+        assert resp.status_code == 422 and "num_prompts" in resp.text
+        resp = c.post("/jobs", data={"matrix": "smoke", "baseline_patches": "defect:nope",
+                                     "csrf_token": csrf})
+        assert resp.status_code == 422 and "builds[0].patches: unknown &#39;defect:nope&#39;" in resp.text
+        reg = c.get(f"/api/v1/regressions/{regression_id}").json()
+        assert reg["triage"] is None and reg["comment"] is None
+    assert counts(db_url) == before
+
+
+def test_no_form_is_taken_without_its_csrf_token(tmp_path, db_url, regression_id):
+    with make_client(tmp_path, db_url) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        c.post("/api/v1/jobs", json={"matrix": "smoke"}, headers=WRITE_TOKEN)
+        before = counts(db_url)
+        job_id = c.get("/api/v1/jobs").json()[0]["id"]
+        forms = [(f"/regressions/{regression_id}/triage", {"triage": "fixed"}),
+                 (f"/regressions/{regression_id}/bisect", {}),
+                 ("/jobs", {"matrix": "smoke"}), (f"/jobs/{job_id}/cancel", {})]
+        for path, data in forms:
+            for csrf in ({}, {"csrf_token": "forged"}):
+                resp = c.post(path, data={**data, **csrf}, follow_redirects=False)
+                assert resp.status_code == 403, (path, csrf, resp.status_code)
+                assert "csrf_token: missing, or not this session" in resp.text
+        assert c.get(f"/api/v1/jobs/{job_id}").json()["status"] == "queued"
+        assert c.get(f"/api/v1/regressions/{regression_id}").json()["triage"] is None
+    assert counts(db_url) == before
+
+
+def test_a_read_user_sees_no_controls_and_is_refused_the_writes(tmp_path, db_url, regression_id):
+    with make_client(tmp_path, db_url) as c:
+        c.post("/api/v1/jobs", json={"matrix": "smoke"}, headers=WRITE_TOKEN)
+        job_id = c.get("/api/v1/jobs", headers=WRITE_TOKEN).json()[0]["id"]
+        before = counts(db_url)
+        assert sign_in(c, BOB).status_code == 303
+        pages = {f"/regressions/{regression_id}": ("triage-form", "bisect-form"),
+                 f"/jobs/{job_id}": ("cancel-form",), "/jobs/new": ("job-form",),
+                 "/compare": ("post-job",), "/jobs": ("post-job",)}
+        for path, controls in pages.items():
+            html = c.get(path).text
+            for control in controls:
+                assert f'id="{control}"' not in html, (path, control)
+        assert 'id="no-controls"' in c.get(f"/regressions/{regression_id}").text
+        csrf = csrf_of(c.get("/").text)  # the sign-out form's: a forged form has a valid token
+        for path, data in ((f"/regressions/{regression_id}/triage", {"triage": "fixed"}),
+                           (f"/regressions/{regression_id}/bisect", {}),
+                           ("/jobs", {"matrix": "smoke"}), (f"/jobs/{job_id}/cancel", {})):
+            resp = c.post(path, data={**data, "csrf_token": csrf})
+            assert resp.status_code == 403, (path, resp.text)
+            assert resp.json()["detail"].startswith("bob has the read role")
+        # bob's token on the API's writes: not a write token
+        resp = c.patch(f"/api/v1/regressions/{regression_id}", json={"triage": "fixed"},
+                       headers={"Authorization": f"Bearer {BOB}"})
+        assert resp.status_code == 401
+        assert c.get(f"/api/v1/jobs/{job_id}").json()["status"] == "queued"
+    assert counts(db_url) == before
+
+
+def test_posting_and_cancelling_a_job_from_the_pages_is_recorded(tmp_path, db_url):
+    with make_client(tmp_path, db_url) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        form = c.get("/jobs/new").text
+        assert 'id="job-form"' in form
+        configs = re.findall(r'name="configs" value="([^"]+)"', form)
+        assert CONFIG in configs and len(configs) == 8  # the smoke matrix's
+        resp = c.post("/jobs", follow_redirects=False, data={
+            "matrix": "smoke", "configs": [CONFIG, "gdn-eb-ov-c64"], "baseline_source": "",
+            "baseline_patches": "", "second_build": "1", "contender_source": "",
+            "contender_patches": "defect:snapshot-race", "num_prompts": "2", "track": "1",
+            "priority": "5", "csrf_token": csrf_of(form)})
+        assert resp.status_code == 303
+        job_id = resp.headers["location"].rsplit("/", 1)[1]
+        job = c.get(f"/api/v1/jobs/{job_id}").json()
+        assert (job["trigger"], job["status"], job["priority"]) == ("dashboard", "queued", 5)
+        assert job["spec"]["configs"] == [CONFIG, "gdn-eb-ov-c64"] and job["spec"]["track"]
+        assert [b["patches"] for b in job["spec"]["builds"]] == [[], ["defect:snapshot-race"]]
+        assert job["spec"]["matrix"]["workload"]["num_prompts"] == 2
+
+        page = c.get(f"/jobs/{job_id}").text
+        resp = c.post(f"/jobs/{job_id}/cancel", data={"csrf_token": csrf_of(page)},
+                      follow_redirects=False)
+        assert resp.status_code == 303 and resp.headers["location"] == f"/jobs/{job_id}"
+        assert c.get(f"/api/v1/jobs/{job_id}").json()["status"] == "cancelled"
+        page = c.get(f"/jobs/{job_id}").text
+        assert 'id="cancel-form"' not in page
+        assert history(page) == [
+            ("alice", "submitted the job (smoke: mamba2-eb-ov-c64, gdn-eb-ov-c64; 2 builds, "
+                      "tracked)", ""),
+            ("alice", "cancelled the job (cancelled)", "")]
+        # cancelling it again changes nothing, and records nothing
+        c.post(f"/jobs/{job_id}/cancel", data={"csrf_token": csrf_of(page)})
+        assert len(history(c.get(f"/jobs/{job_id}").text)) == 2
+        assert c.post("/jobs/no-such-job/cancel", data={"csrf_token": csrf_of(page)}
+                      ).status_code == 404
+
+
+def test_the_job_form_is_prefilled_from_a_commit_and_a_comparison(tmp_path, db_url):
+    store = Store(db_url)
+    try:
+        for patches in ([], ["pr-fix"]):
+            record(store, tmp_path / "results", f"job-{len(patches)}",
+                   build_ref("ccc333", patches=patches), [run_result(CONFIG, {"cold": [1e-13]})])
+    finally:
+        store.close()
+    ref = "sgl-project/sglang@ccc333"
+    with make_client(tmp_path, db_url) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        commits = c.get("/commits").text
+        link = re.search(r'class="post-job" href="([^"]+)"', commits).group(1)
+        form = c.get(link.replace("&amp;", "&")).text
+        assert 'name="baseline_source" size="56" value="git:sgl-project/sglang@ccc333"' in form
+        assert 'name="second_build" value="1">' in form  # one build, unless asked for two
+        compare = c.get("/compare", params={"baseline": ref, "contender": ref,
+                                             "contender_patches": "pr-fix"}).text
+        assert 'id="job-form"' in compare
+        assert re.search(rf'name="configs" value="{CONFIG}" checked', compare)
+        assert 'name="contender_patches" size="36" value="pr-fix"' in compare
+        assert 'name="second_build" value="1" checked' in compare
