@@ -210,7 +210,7 @@ def classify(verdicts: list[dict[str, Any]], defect: str | None) -> dict[str, An
     where = WHERE[defect]["must"] | WHERE[defect]["may"] if defect else set()
     where |= {(c, POOLED) for c, _ in where}  # a config's scenarios judged together
     hits = [v for v in verdicts if v["verdict"] == "regression"]
-    return {"flagged": sorted({f"{v['config']}/{v['scenario']}/{v['metric']} ({v['test']})"
+    return {"flagged": sorted({f"{v['config']}/{v['scenario']}/{v['metric']} ({v['test'] or v['method']})"
                                for v in hits if (v["config"], v["scenario"]) in where}),
             "must_flagged": sorted({f"{v['config']}/{v['scenario']}" for v in hits
                                     if (v["config"], v["scenario"]) in
