@@ -104,7 +104,6 @@ class Req:
         self.track_slots: list[int] = []
         self.track_next = 0
         self.last_track: tuple[int, int] | None = None  # (length, slot) of the newest snapshot
-        self.pending_track: tuple[int, int] | None = None  # decode snapshot awaiting its result
         self.pending_op: tuple | None = None  # ("cow", src) | ("clear",): recorded at match
         self.branching: int | None = None
         self.cached_tokens = 0
@@ -641,8 +640,11 @@ class Scheduler:
                 if self.spec_steps:
                     view.track_interval, view.track_slot = self.args.mamba_track_interval, slot
                 elif (start + 1) % self.args.mamba_track_interval == 0:
+                    # the snapshot becomes the request's newest when this batch's result is
+                    # processed (``_apply``), not before: under overlap the batch ahead of a
+                    # finishing step is dropped, and its snapshot with it
                     view.track.append((start + 1, slot))
-                    req.pending_track = (start + 1, slot)
+                    req.track_next = (req.track_next + 1) % len(req.track_slots)
             batch.views[req.key] = view
             req.inflight += 1
 
@@ -664,7 +666,7 @@ class Scheduler:
             clear=batch.mamba_clear_indices, kv_loads=list(batch.kv_loads),
             state_loads=list(batch.state_loads), late_state_loads=set(batch.late_state_loads),
             spec=self.spec_steps > 0)
-        launch = Launch(fb.id, fb.mode, list(batch.reqs))
+        launch = Launch(fb.id, fb.mode, list(batch.reqs), list(fb.reqs))
         self.inflight_batches += 1
         return self.stream.submit(lambda: (launch, self._forward(fb)))
 
@@ -681,12 +683,12 @@ class Scheduler:
         if self.preimages is not None:
             self.preimages.synchronized(launch.id)
         self.stats.forward_count += 1
-        for req, res in zip(launch.reqs, results, strict=True):
+        for req, view, res in zip(launch.reqs, launch.views, results, strict=True):
             req.inflight -= 1
             if req.finished:  # overlap: a step past the end; drop it
                 self._maybe_release(req)
                 continue
-            self._apply(req, res, launch.mode)
+            self._apply(req, res, launch.mode, view)
             if req.finished:
                 self._finish(req)
             elif launch.mode == "extend" and req.processed == req.prompt_len:
@@ -695,7 +697,7 @@ class Scheduler:
         if launch.mode == "extend" and not self.overlap:
             self._merge_finished_prefills()
 
-    def _apply(self, req: Req, res: ReqResult, mode: str) -> None:
+    def _apply(self, req: Req, res: ReqResult, mode: str, view: ReqView) -> None:
         if not res.finite:
             req.error = "the model produced non-finite logits"
             req.finished_reason = {"type": "abort", "message": req.error, "status_code": 500}
@@ -722,9 +724,8 @@ class Scheduler:
                 if res.tracked is not None:
                     req.last_track = (res.tracked, req.track_slots[req.track_next])
                     req.track_next = (req.track_next + 1) % len(req.track_slots)
-            elif req.pending_track is not None:
-                req.last_track, req.pending_track = req.pending_track, None
-                req.track_next = (req.track_next + 1) % len(req.track_slots)
+            elif view.track:
+                req.last_track = view.track[-1]
         if req.processed == req.prompt_len and req.sp.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
             return
@@ -888,6 +889,7 @@ class Launch:
     id: int
     mode: str
     reqs: list[Req]
+    views: list[ReqView]  # what the forward was asked, per request (its snapshots included)
 
 
 _rid_counter = iter(range(1, 1 << 62))
