@@ -10,6 +10,7 @@ cache, no MTP) token for token.
 from __future__ import annotations
 
 import itertools
+import random
 from concurrent.futures import Future
 
 import pytest
@@ -217,3 +218,20 @@ def test_a_decode_snapshot_survives_a_step_ahead_that_snapshots_past_the_end(mod
     assert cold.cached_tokens == 0
     assert nxt.input_logprobs + nxt.output_logprobs == pytest.approx(
         cold.input_logprobs + cold.output_logprobs, abs=TOL)
+
+
+def test_a_prefill_chunk_started_off_the_grid_snapshots_relative_to_its_start(engine_factory):
+    """As SGLang without decode context parallelism: a request that joins a batch after another
+    one's last chunk gets the rest of the chunk budget (the cut is not rounded to the Mamba chunk
+    grid, ``mamba_prefill_chunk_grid``), and its prefill snapshots lie a whole number of chunks
+    past each extend's start (``_mamba_radix_cache_v2_req_prepare_for_extend``), off the absolute
+    grid. Its next turn hits the last of them."""
+    eng = engine_factory(["--model-path", FAMILIES[0], "--random-seed", "0",
+                          "--chunked-prefill-size", str(CHUNK)])
+    rng = random.Random(0)
+    first = [rng.randint(1, 255) for _ in range(15 * CHUNK + 40)]  # leaves 24 of its last chunk
+    second = [rng.randint(1, 255) for _ in range(16 * CHUNK)]
+    _, out = eng.generate([request("first", first, max_new_tokens=4),
+                           request("second", second, max_new_tokens=4)])
+    nxt = eng.one(second + out.output_ids + second[:8], "next", max_new_tokens=1)
+    assert nxt.cached_tokens == 24 + 15 * CHUNK
