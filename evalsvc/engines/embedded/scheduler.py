@@ -64,6 +64,7 @@ class SamplingParams:
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    stream_interval: int | None = None  # streamed outputs: tokens per chunk (None: the server's)
 
 
 @dataclass
@@ -76,18 +77,24 @@ class GenerateInput:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
+    stream: bool = False
+    namespace: tuple[str, str] | None = None  # (cache_salt, extra_key): the prefix cache's
+    key: str | None = None  # the internal id (``rid_key``) when the caller picks it, to abort by
 
 
 class Req:
-    def __init__(self, inp: GenerateInput, seed: int, done: Callable[[Req], None]) -> None:
+    def __init__(self, inp: GenerateInput, seed: int, done: Callable[[Req], None],
+                 progress: Callable[[Req], None] | None = None) -> None:
         self.rid = inp.rid
         self.origin = list(inp.input_ids)
         self.inp = inp
         self.sp = inp.sampling
         self.seed = seed
         self.done = done
+        self.progress = progress  # called on the scheduler's thread after each step with tokens
         self.output_ids: list[int] = []
         self.finished_reason: dict | None = None
+        self.to_finish: dict | None = None  # an abort, applied after the step in flight
         self.error: str | None = None
         # logprob start as SGLang's scheduler normalises it
         start = inp.logprob_start_len if inp.return_logprob else -1
@@ -123,7 +130,7 @@ class Req:
         self.created = time.perf_counter()
         self.finished_at: float | None = None
         self.released = False
-        self.key = rid_key(inp.rid)  # unique even if a client reuses a rid
+        self.key = inp.key or rid_key(inp.rid)  # unique even if a client reuses a rid
 
     @property
     def prompt_len(self) -> int:
@@ -259,8 +266,19 @@ class Scheduler:
             self._thread.join(timeout=30)
         self.stream.close()
 
-    def submit(self, inp: GenerateInput, done: Callable[[Req], None]) -> None:
-        self.inbox.put(("generate", (inp, done)))
+    def submit(self, inp: GenerateInput, done: Callable[[Req], None],
+               progress: Callable[[Req], None] | None = None) -> None:
+        """Queue a request. ``done(req)`` is called once it is finished (or refused);
+        ``progress(req)``, if given, after every step that gave it new tokens before that. Both
+        run on the scheduler's thread."""
+        self.inbox.put(("generate", (inp, done, progress)))
+
+    def abort(self, rid: str | None, key: str | None = None) -> None:
+        """Abort as SGLang's ``/abort_request`` does: the requests whose rid starts with ``rid``
+        if one has exactly that rid (``rid`` None: every request), or the one request with
+        internal ``key``. A waiting request finishes at once; a running one after its step in
+        flight, keeping what it generated."""
+        self.inbox.put(("abort", (rid, key)))
 
     def flush_cache(self) -> bool:
         fut: Future = Future()
@@ -315,15 +333,18 @@ class Scheduler:
             block = False
             if kind == "generate":
                 self._add_request(*payload)
+            elif kind == "abort":
+                self._abort(*payload)
             elif kind == "flush":
                 payload.set_result(self._flush())
 
-    def _add_request(self, inp: GenerateInput, done: Callable[[Req], None]) -> None:
+    def _add_request(self, inp: GenerateInput, done: Callable[[Req], None],
+                     progress: Callable[[Req], None] | None = None) -> None:
         seed = inp.sampling.sampling_seed
         if seed is None:
             seed = self.args.random_seed * 1_000_003 + self._seed_counter
             self._seed_counter += 1
-        req = Req(inp, seed, done)
+        req = Req(inp, seed, done, progress)
         need = req.prompt_len + req.sp.max_new_tokens + self.spec_steps + 1
         if req.logprob_start_len > req.prompt_len:
             return self._reject(req, f"logprob_start_len={req.logprob_start_len} is higher than the "
@@ -335,6 +356,29 @@ class Scheduler:
                                      f"--max-total-tokens {self.args.max_total_tokens}")
         self.waiting.append(req)
         self.stats.num_requests += 1
+
+    def _abort(self, rid: str | None, key: str | None) -> None:
+        reqs = list(self.waiting) + list(self.running.reqs) + list(self.to_merge)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        reqs = [r for r in reqs if not r.finished and r.to_finish is None]
+        if key is not None:
+            hit = [r for r in reqs if r.key == key]
+        elif rid is None:
+            hit = reqs
+        elif any(r.rid == rid for r in reqs):
+            hit = [r for r in reqs if r.rid.startswith(rid)]
+        else:
+            hit = []
+        for req in hit:
+            if req in self.waiting:  # nothing allocated yet
+                self.waiting.remove(req)
+                req.finished_reason = {"type": "abort", "message": "Abort in waiting queue"}
+                req.finished_at = time.perf_counter()
+                req.done(req)
+            else:
+                req.to_finish = {"type": "abort", "message": "Aborted", "status_code": None,
+                                 "err_type": None}
 
     def _reject(self, req: Req, message: str) -> None:
         req.error = message
@@ -441,6 +485,8 @@ class Scheduler:
         budget = self.chunk or MAX_PREFILL_TOKENS
         reqs: list[Req] = []
         batch = ScheduleBatch(reqs, "extend")
+        if self.chunked_req is not None and self.chunked_req.finished:  # aborted
+            self.chunked_req = None
         if self.chunked_req is not None:
             req = self.chunked_req
             self.chunked_req = None
@@ -463,10 +509,10 @@ class Scheduler:
 
     def _admit(self, req: Req, batch: ScheduleBatch) -> bool:
         """Match the prefix, reserve memory, take slots; False leaves the request waiting."""
-        node, prefix = self.tree.root, torch.zeros(0, dtype=torch.long)
+        node, prefix = self.tree.root_of(req.inp.namespace), torch.zeros(0, dtype=torch.long)
         match = None
         if self.radix:
-            match = self.tree.match_prefix(req.origin[: req.max_prefix_len()])
+            match = self.tree.match_prefix(req.origin[: req.max_prefix_len()], req.inp.namespace)
             node = match.node
         self.tree.lock(node)
         need_kv = (req.prompt_len - (match.length if match else 0) + req.sp.max_new_tokens
@@ -506,7 +552,7 @@ class Scheduler:
         """extra_buffer: where a snapshot would let later requests branch off this prefix."""
         if self.strategy != "extra_buffer":
             return None
-        node, pos, key = self.tree.root, 0, req.origin[: req.max_prefix_len()]
+        node, pos, key = self.tree.root_of(req.inp.namespace), 0, req.origin[: req.max_prefix_len()]
         while pos < len(key):  # every token the tree has, states or not
             child = node.children.get(key[pos])
             if child is None:
@@ -689,10 +735,15 @@ class Scheduler:
                 self._maybe_release(req)
                 continue
             self._apply(req, res, launch.mode, view)
+            if not req.finished and req.to_finish is not None and not res.tokens:
+                req.finished_reason = req.to_finish  # aborted mid-prefill
             if req.finished:
                 self._finish(req)
-            elif launch.mode == "extend" and req.processed == req.prompt_len:
+                continue
+            if launch.mode == "extend" and req.processed == req.prompt_len:
                 self._cache_unfinished(req)
+            if req.progress is not None and res.tokens:
+                req.progress(req)
         self.running.reqs = [r for r in self.running.reqs if not r.finished]
         if launch.mode == "extend" and not self.overlap:
             self._merge_finished_prefills()
@@ -741,6 +792,9 @@ class Scheduler:
                 break
 
     def _check_finish(self, req: Req) -> bool:
+        if req.to_finish is not None:
+            req.finished_reason = req.to_finish
+            return True
         sp = req.sp
         tok = req.output_ids[-1]
         if sp.stop:
@@ -810,12 +864,13 @@ class Scheduler:
 
     def _insert(self, req: Req, length: int, slot: int) -> None:
         _node, dup, took = self.tree.insert(req.fill[:length], req.kv[:length], slot,
-                                           protected=req.cache_protected_len)
+                                           protected=req.cache_protected_len,
+                                           namespace=req.inp.namespace)
         if not took:
             self.free_state(slot)
         self.free_kv(dup)
         self.tree.unlock(req.last_node)
-        match = self.tree.match_prefix(req.fill[:length])
+        match = self.tree.match_prefix(req.fill[:length], req.inp.namespace)
         new = match.device_indices()
         req.kv = torch.cat([new, req.kv[len(new):]])
         req.cache_protected_len = len(new)
@@ -829,7 +884,8 @@ class Scheduler:
         snapshot = self._finished_snapshot(req) if self.radix and req.error is None else None
         if snapshot is not None and snapshot[0] > owned:
             length, slot = snapshot
-            _, dup, took = self.tree.insert(fill[:length], req.kv[:length], slot, protected=owned)
+            _, dup, took = self.tree.insert(fill[:length], req.kv[:length], slot, protected=owned,
+                                            namespace=req.inp.namespace)
             self.free_kv(dup)
             keep = length
             if took and slot == req.slot:
