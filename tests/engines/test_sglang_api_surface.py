@@ -169,7 +169,7 @@ def test_the_openai_client_talks_to_the_engine(python: Path, client: httpx.Clien
     assert all(len(t) == 2 for t in comp["top_logprobs"])
     assert comp["usage"]["completion_tokens"] == 8
     assert out["completion_stream"]["text"] == native["text"]
-    assert out["completion_stream"]["chunks"] == 8
+    assert 2 <= out["completion_stream"]["chunks"] <= 8  # one per token unless coalesced
     assert out["completion_stream"]["finish_reason"] == "length"
     assert out["completion_stream_usage"]["completion_tokens"] == 8
     chat = out["chat"]

@@ -62,12 +62,16 @@ META_INFO_KEYS: dict[str, str] = {
 LEGACY_META_INFO_KEYS = {"spec_accept_histogram": "spec_correct_drafts_histogram before 0.5.20"}
 
 
-def build_meta(req: Req, scheduler: Scheduler, finished: bool = True) -> dict:
-    """SGLang's ``meta_info`` for a request, finished or (``finished=False``) so far. Logprobs are
-    natural-log, as ``[logprob, token_id, text|null]`` per position (the first prompt position's
-    logprob is null)."""
+def build_meta(req: Req, scheduler: Scheduler, upto: int | None = None) -> dict:
+    """SGLang's ``meta_info`` for a finished request, or (``upto``) for a running one as it was
+    with its first ``upto`` output tokens: the scheduler only appends to a request's output lists,
+    so their first ``upto`` entries can be read from another thread. Logprobs are natural-log, as
+    ``[logprob, token_id, text|null]`` per position (the first prompt position's is null)."""
     tok = scheduler.tokenizer
     text_on = req.inp.return_text_in_logprobs
+    finished = upto is None
+    n = len(req.output_ids) if finished else upto
+    out_ids = req.output_ids[:n]
 
     def triple(lp, tid):
         return [lp, tid, tok.token_text(tid) if text_on else None]
@@ -87,23 +91,23 @@ def build_meta(req: Req, scheduler: Scheduler, finished: bool = True) -> dict:
                                       zip(req.input_logprobs, ins[1:], strict=False)]
             if ins else [])
         meta["output_token_logprobs"] = [triple(lp, t) for lp, t in
-                                         zip(req.output_logprobs, req.output_ids, strict=False)]
+                                         zip(req.output_logprobs[:n], out_ids, strict=False)]
         meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if req.inp.top_logprobs_num:
             meta["input_top_logprobs"] = ([None] + [[triple(lp, t) for lp, t in pos]
                                                     for pos in req.input_top_logprobs]
                                           if meta["input_token_logprobs"] else [])
             meta["output_top_logprobs"] = [[triple(lp, t) for lp, t in pos]
-                                           for pos in req.output_top_logprobs]
+                                           for pos in req.output_top_logprobs[:n]]
         if req.inp.token_ids_logprob:
             meta["input_token_ids_logprobs"] = ([None] + [[triple(lp, t) for lp, t in pos]
                                                           for pos in req.input_ids_logprobs]
                                                 if meta["input_token_logprobs"] else [])
             meta["output_token_ids_logprobs"] = [[triple(lp, t) for lp, t in pos]
-                                                 for pos in req.output_ids_logprobs]
+                                                 for pos in req.output_ids_logprobs[:n]]
     meta.update({
         "reasoning_tokens": 0,  # no reasoning parser: nothing counts as reasoning
-        "completion_tokens": len(req.output_ids),
+        "completion_tokens": n,
         "cached_tokens": req.cached_tokens,
         "cached_tokens_details": (
             {"device": req.cached_tokens - req.host_cached_tokens, "host": req.host_cached_tokens}
@@ -203,45 +207,53 @@ class Detokenizer:
 
 @dataclass
 class StreamState:
-    """What one streamed request has sent so far."""
+    """What one streamed request has sent so far. Its chunks are built on the event loop from
+    snapshots (the request with its first n output tokens) that the scheduler's thread reports
+    after every step: ``admit`` is SGLang's scheduler-side choice of the steps to send, and of
+    the admitted snapshots that wait together only the newest is sent, as SGLang's tokenizer
+    manager coalesces the outputs queued for a request."""
 
     index: int  # the request's place in its batch
     incremental: bool
     stream_interval: int  # the server's --stream-interval
     prompt_token_ids: bool
     detok: Detokenizer | None = None
+    emitted: int = 0  # tokens of the snapshots admitted so far (the scheduler's send offset)
     sent_tokens: int = 0
     sent_logprobs: int = 0
     text: str = ""  # the text sent so far
     first_sent: bool = False
-    stop_max_tokens: int = 0
+    stop_max_tokens: int | None = None
 
-    def progress(self, req: Req, scheduler: Scheduler) -> dict | None:
-        """The chunk to send after a step (on the scheduler's thread), or None to wait."""
+    def admit(self, req: Req, scheduler: Scheduler, n: int) -> bool:
+        """Whether the snapshot of n tokens is sent: every ``stream_interval`` tokens, the first
+        at once, and never while the output's tail could be the start of a stop string."""
+        unsent = n - self.emitted
+        interval = req.sp.stream_interval or self.stream_interval
+        if not (interval == 1 or unsent >= interval or (self.emitted == 0 and unsent > 0)):
+            return False
+        if self._may_start_a_stop_string(req, scheduler, n):
+            return False
+        self.emitted = n
+        return True
+
+    def progress(self, req: Req, scheduler: Scheduler, n: int) -> dict:
+        """The chunk of the snapshot of n tokens."""
         if self.detok is None:
             self.detok = Detokenizer(scheduler, req.origin)
-            self.stop_max_tokens = max((len(scheduler.tokenizer.encode(s)) for s in req.sp.stop),
-                                       default=0)
-        unsent = len(req.output_ids) - self.sent_tokens
-        interval = req.sp.stream_interval or self.stream_interval
-        if not (interval == 1 or unsent >= interval or (self.sent_tokens == 0 and unsent > 0)):
-            return None
-        if self._may_start_a_stop_string(req, scheduler):
-            return None
-        delta = self.detok.step(req.output_ids[self.sent_tokens:])
-        return self._chunk(req, build_meta(req, scheduler, finished=False), delta)
+        delta = self.detok.step(req.output_ids[self.sent_tokens:n])
+        return self._chunk(req, build_meta(req, scheduler, upto=n), req.output_ids[:n], delta)
 
     def final(self, req: Req, scheduler: Scheduler) -> dict:
-        """The finished request's chunk (on the event loop)."""
+        """The finished request's chunk."""
         text = final_text(req, scheduler)
         delta = text[len(self.text):] if text.startswith(self.text) else text
-        chunk = self._chunk(req, build_meta(req, scheduler), delta)
+        chunk = self._chunk(req, build_meta(req, scheduler), list(req.output_ids), delta)
         if not self.incremental:
             chunk["text"] = text
         return chunk
 
-    def _chunk(self, req: Req, meta: dict, delta: str) -> dict:
-        ids = list(req.output_ids)
+    def _chunk(self, req: Req, meta: dict, ids: list[int], delta: str) -> dict:
         if self.incremental:
             for key in OUTPUT_SIDE_KEYS:
                 if key in meta:
@@ -250,8 +262,7 @@ class StreamState:
         else:
             out = {"text": self.text + delta, "output_ids": ids, "meta_info": meta}
         self.text += delta
-        self.sent_tokens = len(ids)
-        self.sent_logprobs = len(req.output_logprobs)
+        self.sent_tokens = self.sent_logprobs = len(ids)
         if not self.first_sent:
             self.first_sent = True
             meta["response_sent_to_client_ts"] = time.time()
@@ -259,13 +270,15 @@ class StreamState:
             out["prompt_token_ids"] = list(req.origin)
         return out
 
-    def _may_start_a_stop_string(self, req: Req, scheduler: Scheduler) -> bool:
-        """SGLang's ``check_match_stop_str_prefix``: hold the chunk while the output's tail holds
-        a stop string or ends with the start of one."""
+    def _may_start_a_stop_string(self, req: Req, scheduler: Scheduler, n: int) -> bool:
+        """SGLang's ``check_match_stop_str_prefix``: the tail of the output (as many tokens as the
+        longest stop string has, plus one) holds a stop string or ends with the start of one."""
         if not req.sp.stop:
             return False
-        n = min(self.stop_max_tokens + 1, len(req.output_ids))
-        tail = scheduler.tokenizer.decode(req.output_ids[len(req.output_ids) - n:])
+        if self.stop_max_tokens is None:
+            self.stop_max_tokens = max(len(scheduler.tokenizer.encode(s)) for s in req.sp.stop)
+        k = min(self.stop_max_tokens + 1, n)
+        tail = scheduler.tokenizer.decode(req.output_ids[n - k:n])
         for stop in req.sp.stop:
             if not stop:
                 continue

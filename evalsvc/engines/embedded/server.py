@@ -133,30 +133,37 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         sched = self.scheduler
-        states = []
+        states = [StreamState(i, self.args.incremental_streaming_output,
+                              self.args.stream_interval, prompt_token_ids)
+                  for i in range(len(inputs))]
         for i, inp in enumerate(inputs):
             inp.key = rid_key(inp.rid)
-            st = StreamState(i, self.args.incremental_streaming_output, self.args.stream_interval,
-                             prompt_token_ids)
-            states.append(st)
-
-            def progress(req: Req, st: StreamState = st) -> None:  # on the scheduler's thread
-                try:
-                    chunk = st.progress(req, sched)
-                except Exception:  # a client's stream must never stop the scheduler
-                    log.exception("building a streamed chunk failed")
-                    return
-                if chunk is not None:
-                    loop.call_soon_threadsafe(queue.put_nowait, (st.index, chunk, None))
-
-            sched.submit(inp, lambda req, i=i: loop.call_soon_threadsafe(
-                queue.put_nowait, (i, None, req)), progress)
+            # on the scheduler's thread: report a snapshot (the request and its output length)
+            # and build nothing there
+            sched.submit(inp,
+                         lambda req, i=i: loop.call_soon_threadsafe(queue.put_nowait,
+                                                                    (i, None, req)),
+                         lambda req, i=i: loop.call_soon_threadsafe(
+                             queue.put_nowait, (i, len(req.output_ids), req)))
         open_reqs = set(range(len(inputs)))
         sent = False
         try:
             while open_reqs:
-                i, chunk, req = await queue.get()
-                if req is not None:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                newest: dict[int, tuple[int, Req]] = {}
+                finished: dict[int, Req] = {}
+                for i, n, req in items:
+                    if n is None:
+                        finished[i] = req
+                    elif states[i].admit(req, sched, n):
+                        newest[i] = (n, req)
+                for i, (n, req) in newest.items():
+                    if i not in finished:  # else its finished chunk has these tokens too
+                        sent = True
+                        yield i, states[i].progress(req, sched, n)
+                for i, req in finished.items():
                     open_reqs.discard(i)
                     if req.error is not None and not states[i].first_sent:
                         status = (req.finished_reason or {}).get("status_code", 400)
@@ -166,9 +173,8 @@ class Engine:
                         yield i, {"error": {"message": req.error, "type": "invalid_request_error",
                                             "code": status, "retryable": False}}
                         return
-                    chunk = states[i].final(req, sched)
-                sent = True
-                yield i, chunk
+                    sent = True
+                    yield i, states[i].final(req, sched)
         finally:
             for i in open_reqs:
                 sched.abort(None, key=inputs[i].key)
