@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from evalsvc.engines.embedded.model import HybridConfig, HybridLM, save_model  # noqa: E402
 from evalsvc.engines.embedded.tokenizer import (  # noqa: E402
+    CHAT_TEMPLATE,
     EOS_TEXT,
     SPECIAL_TOKENS,
     build_byte_tokenizer,
@@ -130,7 +131,8 @@ def main() -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT,
         "bos_token": "<|bos|>", "pad_token": "<|pad|>", "add_bos_token": False,
-        "model_max_length": cfg.max_position_embeddings}, indent=2) + "\n")
+        "model_max_length": cfg.max_position_embeddings, "chat_template": CHAT_TEMPLATE},
+        indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({
         "eos_token_id": eos, "bos_token_id": cfg.bos_token_id}, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps({

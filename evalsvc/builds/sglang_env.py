@@ -13,7 +13,8 @@ What gets installed, and why (found by importing those modules in a bare env, fo
   IPython, tqdm and aiohttp; ``sglang.srt.configs`` imports transformers and, through the
   InternVL helpers, torchvision; the quantization registry imports compressed_tensors, gguf and
   tvm_ffi; server_args imports the function-call and reasoning parsers (openai,
-  partial_json_parser, sentencepiece, dill); 0.5.13's FLA layers import einops.
+  partial_json_parser, sentencepiece, dill); 0.5.13's FLA layers import einops; SGLang's
+  ``bench_serving`` (``sglang.benchmark.datasets``) imports datasets, which SGLang requires.
 * triton is imported unconditionally (``import triton`` in ``sglang/srt/utils/common.py``), so it
   stays although nothing here compiles a kernel: about 1 GB installed, the largest package. It is
   not an SGLang requirement (CUDA torch brings it), so it is pinned here, to the series that the
@@ -69,7 +70,7 @@ DEPENDENCIES = (
     "numpy", "orjson", "psutil", "pybase64", "requests", "packaging", "pillow", "fastapi",
     "msgspec", "pydantic", "pyzmq", "tqdm", "ipython", "aiohttp", "transformers", "torchvision",
     "dill", "apache-tvm-ffi", "sentencepiece", "compressed-tensors", "gguf", "openai",
-    "partial-json-parser", "einops", "triton",
+    "partial-json-parser", "einops", "triton", "datasets",
 )
 # Imported by some releases only: 0.5.16 and 0.5.17's function-call parsers (which server_args
 # imports) import xgrammar at module level. Kept out of the other releases' recipes, so their

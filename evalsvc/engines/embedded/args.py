@@ -79,6 +79,10 @@ class EngineArgs:
     enable_metrics: bool = False
     log_level: str = "info"
     served_model_name: str | None = None
+    stream_interval: int = 1
+    incremental_streaming_output: bool = False
+    stream_response_default_include_usage: bool = False
+    enable_cache_report: bool = False
     skip_server_warmup: bool = False
     device: str | None = None
     dtype: str = "auto"
@@ -148,7 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "from --max-total-tokens")
     a("--enable-metrics", action="store_true")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    a("--served-model-name", default=None)
+    a("--served-model-name", default=None, help="the model's name in the OpenAI-compatible API "
+                                                "(default: the model path)")
+    a("--stream-interval", type=int, default=1, help="tokens per streamed chunk")
+    a("--incremental-streaming-output", action="store_true",
+      help="streamed /generate chunks carry what is new, not everything so far")
+    a("--stream-response-default-include-usage", action="store_true",
+      help="OpenAI-compatible streams end with a usage chunk unless stream_options says otherwise")
+    a("--enable-cache-report", action="store_true",
+      help="OpenAI-compatible usage reports prompt_tokens_details.cached_tokens")
     a("--skip-server-warmup", action="store_true")
     a("--device", default=None, choices=["cpu"])
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -218,6 +230,8 @@ def _check_platform(args: EngineArgs) -> None:
         raise ArgError(f"--page-size {args.page_size}: the embedded engine supports page size 1")
     if args.tp_size != 1 or args.dp_size != 1:
         raise ArgError("--tp-size/--dp-size: the embedded engine runs on one CPU device (1)")
+    if args.stream_interval < 1:
+        raise ArgError(f"--stream-interval {args.stream_interval} must be at least 1")
     if args.mamba_track_interval <= 0:
         raise ArgError(f"--mamba-track-interval {args.mamba_track_interval} must be positive")
     # each request's default sampling seed derives from it; numpy's seeds are 32-bit, as SGLang's

@@ -8,12 +8,17 @@ over unlocked nodes for states (an internal node loses its state and becomes a t
 
 The tree only does bookkeeping: it frees and allocates indices, and asks its ``owner`` to copy data to
 the host tier, but never touches pool memory itself.
+
+Requests that carry an ``extra_key`` or ``cache_salt`` (SGLang's cache namespaces) match and insert
+under a root of their namespace: they share cached prefixes only with requests of the same one.
+Eviction is over all namespaces together.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -74,13 +79,22 @@ class RadixCache:
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode(value=torch.zeros(0, dtype=torch.long))
-        self.root.lock_ref = 1
+        self.roots: dict[Hashable, TreeNode] = {}
+        self.root = self.root_of(None)
+
+    def root_of(self, namespace: Hashable) -> TreeNode:
+        """The root of a cache namespace (None: the shared one)."""
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = TreeNode(value=torch.zeros(0, dtype=torch.long))
+            root.lock_ref = 1
+        return root
 
     # ---- matching -------------------------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        node, pos, path = self.root, 0, []
-        best = MatchResult(0, self.root, [], 0)
+    def match_prefix(self, key: list[int], namespace: Hashable = None) -> MatchResult:
+        root = self.root_of(namespace)
+        node, pos, path = root, 0, []
+        best = MatchResult(0, root, [], 0)
         now = next(self._clock)
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -115,7 +129,8 @@ class RadixCache:
             node = node.parent
 
     # ---- insertion ------------------------------------------------------------------------
-    def insert(self, key: list[int], value: torch.Tensor, mamba: int | None, protected: int = 0):
+    def insert(self, key: list[int], value: torch.Tensor, mamba: int | None, protected: int = 0,
+               namespace: Hashable = None):
         """Insert ``key`` with its KV indices and the state after its last token.
 
         ``value[:protected]`` are indices the tree already owns (the caller's matched prefix).
@@ -123,7 +138,8 @@ class RadixCache:
         tree took ``mamba``: if the node already had a state the caller keeps ownership of it).
         """
         assert len(key) == len(value)
-        node, pos, dup, created = self.root, 0, [], []
+        root = self.root_of(namespace)
+        node, pos, dup, created = root, 0, [], []
         now = next(self._clock)
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -145,7 +161,7 @@ class RadixCache:
                 child.value = value[pos: pos + n].clone()
             node, pos = child, pos + n
         took = False
-        if mamba is not None and node is not self.root and node.mamba is None:
+        if mamba is not None and node is not root and node.mamba is None:
             node.mamba = mamba
             took = True
             if node not in created:
@@ -179,11 +195,11 @@ class RadixCache:
 
     # ---- eviction -------------------------------------------------------------------------
     def _nodes(self):
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node is not self.root:
+            if node.parent is not None:  # not a root
                 yield node
 
     def evictable_tokens(self) -> int:
@@ -210,7 +226,7 @@ class RadixCache:
             freed += len(node.key)
             parent = node.parent
             self._evict_device(node)
-            if parent is not self.root and self._device_leaf(parent):
+            if parent.parent is not None and self._device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
@@ -265,7 +281,7 @@ class RadixCache:
             parent = node.parent
             self.owner.free_host(node)
             self._delete(node)
-            if parent is not self.root and self._host_leaf(parent):
+            if parent.parent is not None and self._host_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
 
     def _host_leaf(self, node: TreeNode) -> bool:

@@ -64,6 +64,7 @@ class SamplingParams:
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    stream_interval: int | None = None  # streamed outputs: tokens per chunk (None: the server's)
 
 
 @dataclass
@@ -76,18 +77,24 @@ class GenerateInput:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
+    stream: bool = False
+    namespace: tuple[str, str] | None = None  # (cache_salt, extra_key): the prefix cache's
+    key: str | None = None  # the internal id (``rid_key``) when the caller picks it, to abort by
 
 
 class Req:
-    def __init__(self, inp: GenerateInput, seed: int, done: Callable[[Req], None]) -> None:
+    def __init__(self, inp: GenerateInput, seed: int, done: Callable[[Req], None],
+                 progress: Callable[[Req], None] | None = None) -> None:
         self.rid = inp.rid
         self.origin = list(inp.input_ids)
         self.inp = inp
         self.sp = inp.sampling
         self.seed = seed
         self.done = done
+        self.progress = progress  # called on the scheduler's thread after each step with tokens
         self.output_ids: list[int] = []
         self.finished_reason: dict | None = None
+        self.to_finish: dict | None = None  # an abort, applied after the step in flight
         self.error: str | None = None
         # logprob start as SGLang's scheduler normalises it
         start = inp.logprob_start_len if inp.return_logprob else -1
@@ -104,7 +111,6 @@ class Req:
         self.track_slots: list[int] = []
         self.track_next = 0
         self.last_track: tuple[int, int] | None = None  # (length, slot) of the newest snapshot
-        self.pending_track: tuple[int, int] | None = None  # decode snapshot awaiting its result
         self.pending_op: tuple | None = None  # ("cow", src) | ("clear",): recorded at match
         self.branching: int | None = None
         self.cached_tokens = 0
@@ -124,7 +130,7 @@ class Req:
         self.created = time.perf_counter()
         self.finished_at: float | None = None
         self.released = False
-        self.key = rid_key(inp.rid)  # unique even if a client reuses a rid
+        self.key = inp.key or rid_key(inp.rid)  # unique even if a client reuses a rid
 
     @property
     def prompt_len(self) -> int:
@@ -260,8 +266,19 @@ class Scheduler:
             self._thread.join(timeout=30)
         self.stream.close()
 
-    def submit(self, inp: GenerateInput, done: Callable[[Req], None]) -> None:
-        self.inbox.put(("generate", (inp, done)))
+    def submit(self, inp: GenerateInput, done: Callable[[Req], None],
+               progress: Callable[[Req], None] | None = None) -> None:
+        """Queue a request. ``done(req)`` is called once it is finished (or refused);
+        ``progress(req)``, if given, after every step that gave it new tokens before that. Both
+        run on the scheduler's thread."""
+        self.inbox.put(("generate", (inp, done, progress)))
+
+    def abort(self, rid: str | None, key: str | None = None) -> None:
+        """Abort as SGLang's ``/abort_request`` does: the requests whose rid starts with ``rid``
+        if one has exactly that rid (``rid`` None: every request), or the one request with
+        internal ``key``. A waiting request finishes at once; a running one after its step in
+        flight, keeping what it generated."""
+        self.inbox.put(("abort", (rid, key)))
 
     def flush_cache(self) -> bool:
         fut: Future = Future()
@@ -316,15 +333,18 @@ class Scheduler:
             block = False
             if kind == "generate":
                 self._add_request(*payload)
+            elif kind == "abort":
+                self._abort(*payload)
             elif kind == "flush":
                 payload.set_result(self._flush())
 
-    def _add_request(self, inp: GenerateInput, done: Callable[[Req], None]) -> None:
+    def _add_request(self, inp: GenerateInput, done: Callable[[Req], None],
+                     progress: Callable[[Req], None] | None = None) -> None:
         seed = inp.sampling.sampling_seed
         if seed is None:
             seed = self.args.random_seed * 1_000_003 + self._seed_counter
             self._seed_counter += 1
-        req = Req(inp, seed, done)
+        req = Req(inp, seed, done, progress)
         need = req.prompt_len + req.sp.max_new_tokens + self.spec_steps + 1
         if req.logprob_start_len > req.prompt_len:
             return self._reject(req, f"logprob_start_len={req.logprob_start_len} is higher than the "
@@ -336,6 +356,29 @@ class Scheduler:
                                      f"--max-total-tokens {self.args.max_total_tokens}")
         self.waiting.append(req)
         self.stats.num_requests += 1
+
+    def _abort(self, rid: str | None, key: str | None) -> None:
+        reqs = list(self.waiting) + list(self.running.reqs) + list(self.to_merge)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        reqs = [r for r in reqs if not r.finished and r.to_finish is None]
+        if key is not None:
+            hit = [r for r in reqs if r.key == key]
+        elif rid is None:
+            hit = reqs
+        elif any(r.rid == rid for r in reqs):
+            hit = [r for r in reqs if r.rid.startswith(rid)]
+        else:
+            hit = []
+        for req in hit:
+            if req in self.waiting:  # nothing allocated yet
+                self.waiting.remove(req)
+                req.finished_reason = {"type": "abort", "message": "Abort in waiting queue"}
+                req.finished_at = time.perf_counter()
+                req.done(req)
+            else:
+                req.to_finish = {"type": "abort", "message": "Aborted", "status_code": None,
+                                 "err_type": None}
 
     def _reject(self, req: Req, message: str) -> None:
         req.error = message
@@ -442,6 +485,8 @@ class Scheduler:
         budget = self.chunk or MAX_PREFILL_TOKENS
         reqs: list[Req] = []
         batch = ScheduleBatch(reqs, "extend")
+        if self.chunked_req is not None and self.chunked_req.finished:  # aborted
+            self.chunked_req = None
         if self.chunked_req is not None:
             req = self.chunked_req
             self.chunked_req = None
@@ -464,10 +509,10 @@ class Scheduler:
 
     def _admit(self, req: Req, batch: ScheduleBatch) -> bool:
         """Match the prefix, reserve memory, take slots; False leaves the request waiting."""
-        node, prefix = self.tree.root, torch.zeros(0, dtype=torch.long)
+        node, prefix = self.tree.root_of(req.inp.namespace), torch.zeros(0, dtype=torch.long)
         match = None
         if self.radix:
-            match = self.tree.match_prefix(req.origin[: req.max_prefix_len()])
+            match = self.tree.match_prefix(req.origin[: req.max_prefix_len()], req.inp.namespace)
             node = match.node
         self.tree.lock(node)
         need_kv = (req.prompt_len - (match.length if match else 0) + req.sp.max_new_tokens
@@ -507,7 +552,7 @@ class Scheduler:
         """extra_buffer: where a snapshot would let later requests branch off this prefix."""
         if self.strategy != "extra_buffer":
             return None
-        node, pos, key = self.tree.root, 0, req.origin[: req.max_prefix_len()]
+        node, pos, key = self.tree.root_of(req.inp.namespace), 0, req.origin[: req.max_prefix_len()]
         while pos < len(key):  # every token the tree has, states or not
             child = node.children.get(key[pos])
             if child is None:
@@ -641,8 +686,11 @@ class Scheduler:
                 if self.spec_steps:
                     view.track_interval, view.track_slot = self.args.mamba_track_interval, slot
                 elif (start + 1) % self.args.mamba_track_interval == 0:
+                    # the snapshot becomes the request's newest when this batch's result is
+                    # processed (``_apply``), not before: under overlap the batch ahead of a
+                    # finishing step is dropped, and its snapshot with it
                     view.track.append((start + 1, slot))
-                    req.pending_track = (start + 1, slot)
+                    req.track_next = (req.track_next + 1) % len(req.track_slots)
             batch.views[req.key] = view
             req.inflight += 1
 
@@ -664,7 +712,7 @@ class Scheduler:
             clear=batch.mamba_clear_indices, kv_loads=list(batch.kv_loads),
             state_loads=list(batch.state_loads), late_state_loads=set(batch.late_state_loads),
             spec=self.spec_steps > 0)
-        launch = Launch(fb.id, fb.mode, list(batch.reqs))
+        launch = Launch(fb.id, fb.mode, list(batch.reqs), list(fb.reqs))
         self.inflight_batches += 1
         return self.stream.submit(lambda: (launch, self._forward(fb)))
 
@@ -681,21 +729,26 @@ class Scheduler:
         if self.preimages is not None:
             self.preimages.synchronized(launch.id)
         self.stats.forward_count += 1
-        for req, res in zip(launch.reqs, results, strict=True):
+        for req, view, res in zip(launch.reqs, launch.views, results, strict=True):
             req.inflight -= 1
             if req.finished:  # overlap: a step past the end; drop it
                 self._maybe_release(req)
                 continue
-            self._apply(req, res, launch.mode)
+            self._apply(req, res, launch.mode, view)
+            if not req.finished and req.to_finish is not None and not res.tokens:
+                req.finished_reason = req.to_finish  # aborted mid-prefill
             if req.finished:
                 self._finish(req)
-            elif launch.mode == "extend" and req.processed == req.prompt_len:
+                continue
+            if launch.mode == "extend" and req.processed == req.prompt_len:
                 self._cache_unfinished(req)
+            if req.progress is not None and res.tokens:
+                req.progress(req)
         self.running.reqs = [r for r in self.running.reqs if not r.finished]
         if launch.mode == "extend" and not self.overlap:
             self._merge_finished_prefills()
 
-    def _apply(self, req: Req, res: ReqResult, mode: str) -> None:
+    def _apply(self, req: Req, res: ReqResult, mode: str, view: ReqView) -> None:
         if not res.finite:
             req.error = "the model produced non-finite logits"
             req.finished_reason = {"type": "abort", "message": req.error, "status_code": 500}
@@ -722,9 +775,8 @@ class Scheduler:
                 if res.tracked is not None:
                     req.last_track = (res.tracked, req.track_slots[req.track_next])
                     req.track_next = (req.track_next + 1) % len(req.track_slots)
-            elif req.pending_track is not None:
-                req.last_track, req.pending_track = req.pending_track, None
-                req.track_next = (req.track_next + 1) % len(req.track_slots)
+            elif view.track:
+                req.last_track = view.track[-1]
         if req.processed == req.prompt_len and req.sp.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
             return
@@ -740,6 +792,9 @@ class Scheduler:
                 break
 
     def _check_finish(self, req: Req) -> bool:
+        if req.to_finish is not None:
+            req.finished_reason = req.to_finish
+            return True
         sp = req.sp
         tok = req.output_ids[-1]
         if sp.stop:
@@ -809,12 +864,13 @@ class Scheduler:
 
     def _insert(self, req: Req, length: int, slot: int) -> None:
         _node, dup, took = self.tree.insert(req.fill[:length], req.kv[:length], slot,
-                                           protected=req.cache_protected_len)
+                                           protected=req.cache_protected_len,
+                                           namespace=req.inp.namespace)
         if not took:
             self.free_state(slot)
         self.free_kv(dup)
         self.tree.unlock(req.last_node)
-        match = self.tree.match_prefix(req.fill[:length])
+        match = self.tree.match_prefix(req.fill[:length], req.inp.namespace)
         new = match.device_indices()
         req.kv = torch.cat([new, req.kv[len(new):]])
         req.cache_protected_len = len(new)
@@ -828,7 +884,8 @@ class Scheduler:
         snapshot = self._finished_snapshot(req) if self.radix and req.error is None else None
         if snapshot is not None and snapshot[0] > owned:
             length, slot = snapshot
-            _, dup, took = self.tree.insert(fill[:length], req.kv[:length], slot, protected=owned)
+            _, dup, took = self.tree.insert(fill[:length], req.kv[:length], slot, protected=owned,
+                                            namespace=req.inp.namespace)
             self.free_kv(dup)
             keep = length
             if took and slot == req.slot:
@@ -888,6 +945,7 @@ class Launch:
     id: int
     mode: str
     reqs: list[Req]
+    views: list[ReqView]  # what the forward was asked, per request (its snapshots included)
 
 
 _rid_counter = iter(range(1, 1 << 62))

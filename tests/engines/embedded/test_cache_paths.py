@@ -10,6 +10,7 @@ cache, no MTP) token for token.
 from __future__ import annotations
 
 import itertools
+import random
 from concurrent.futures import Future
 
 import pytest
@@ -187,3 +188,50 @@ def test_a_request_sent_as_another_is_answered_hits_its_decode_snapshot(model, d
     nxt = follow.result(timeout=60)
     assert nxt.error is None, nxt.error
     assert nxt.cached_tokens == interval
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("chunk", [64, 4096])
+def test_a_decode_snapshot_survives_a_step_ahead_that_snapshots_past_the_end(model, chunk,
+                                                                             demo_prompts,
+                                                                             engine_factory):
+    """Prompt + max_new_tokens on a track boundary: under overlap the step launched ahead of the
+    last one snapshots at that boundary and is dropped. As in SGLang (a snapshot belongs to the
+    batch that took it, ``mamba_track_mask_cpu``), the finished request still caches the snapshot
+    its decode took before, and the next turn hits it (SGLang's multi-turn bound, at least
+    ``(prompt + output - 1) // interval * interval``)."""
+    interval = 64
+    eng = engine_factory(["--model-path", model, "--random-seed", "0", "--chunked-prefill-size",
+                          str(chunk), "--mamba-track-interval", str(interval)])
+    assert not eng.args.disable_overlap_schedule
+    assert eng.args.mamba_radix_cache_strategy == "extra_buffer"
+    ids = token_prompts(eng.tok, demo_prompts)[0][:100]  # two prefill chunks of 64
+    new = 3 * interval - len(ids)  # prompt + output == 192: the dropped step would snapshot 192
+    first = eng.one(ids, "first", max_new_tokens=new)
+    assert len(first.output_ids) == new
+    turn2 = first.origin + first.output_ids + ids[:8]
+    nxt = eng.one(turn2, "next", logprob_start_len=len(turn2) - 8, max_new_tokens=4)
+    bound = (len(ids) + new - 1) // interval * interval
+    assert nxt.cached_tokens == bound == 2 * interval
+    eng.flush()
+    cold = eng.one(turn2, "cold", logprob_start_len=len(turn2) - 8, max_new_tokens=4)
+    assert cold.cached_tokens == 0
+    assert nxt.input_logprobs + nxt.output_logprobs == pytest.approx(
+        cold.input_logprobs + cold.output_logprobs, abs=TOL)
+
+
+def test_a_prefill_chunk_started_off_the_grid_snapshots_relative_to_its_start(engine_factory):
+    """As SGLang without decode context parallelism: a request that joins a batch after another
+    one's last chunk gets the rest of the chunk budget (the cut is not rounded to the Mamba chunk
+    grid, ``mamba_prefill_chunk_grid``), and its prefill snapshots lie a whole number of chunks
+    past each extend's start (``_mamba_radix_cache_v2_req_prepare_for_extend``), off the absolute
+    grid. Its next turn hits the last of them."""
+    eng = engine_factory(["--model-path", FAMILIES[0], "--random-seed", "0",
+                          "--chunked-prefill-size", str(CHUNK)])
+    rng = random.Random(0)
+    first = [rng.randint(1, 255) for _ in range(15 * CHUNK + 40)]  # leaves 24 of its last chunk
+    second = [rng.randint(1, 255) for _ in range(16 * CHUNK)]
+    _, out = eng.generate([request("first", first, max_new_tokens=4),
+                           request("second", second, max_new_tokens=4)])
+    nxt = eng.one(second + out.output_ids + second[:8], "next", max_new_tokens=1)
+    assert nxt.cached_tokens == 24 + 15 * CHUNK
