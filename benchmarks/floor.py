@@ -1,8 +1,10 @@
 """The clean floor: what a defect-free engine's KL is, per model and scenario, over many seeds.
 
     .venv/bin/python benchmarks/floor.py [--matrix smoke-bf16] [--seeds 20] [--num-prompts 8]
+    .venv/bin/python benchmarks/floor.py --matrix sglang-cpu --configs A,B \
+        --engine-python .venv-sglang-cpu/bin/python --model DIR      # real SGLang on this CPU
 
-Evaluates every config of the matrix (embedded engine, no defect) once per sampling seed
+Evaluates every config of the matrix (``--configs``: some of them; no defect) once per sampling seed
 (0 .. seeds-1, the same prompts) and reports, per model and scenario, the scenario's mean KL (k3) of
 its runs over all seeds and configs: mean, p99 and max; and the same of the per-sample means (one
 value per prompt), which is what per-prompt tests see. Acceptance lengths of the speculative
@@ -36,17 +38,23 @@ from evalsvc.matrix import load_matrix  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 
 
-def collect(matrix_name: str, seeds: int, num_prompts: int, work: Path) -> list[dict[str, Any]]:
-    """One row per seed, config and scenario: the scenario's metrics and its per-sample KL."""
+def collect(matrix_name: str, seeds: int, num_prompts: int, work: Path,
+            configs_wanted: list[str] | None = None, engine_python: str | None = None,
+            model: str | None = None) -> list[dict[str, Any]]:
+    """One row per seed, config and scenario: the scenario's metrics and its per-sample KL.
+    An SGLang matrix runs on ``engine_python``'s SGLang, with ``model`` for every model."""
     matrix = load_matrix(matrix_name)
     matrix.workload.num_prompts = num_prompts
-    spec = EngineSpec(kind="embedded")
+    spec = (EngineSpec(kind="sglang", python=engine_python, startup_timeout=300)
+            if matrix.engine == "sglang" else EngineSpec(kind="embedded"))
     rows = []
     with Progress(console=Console(stderr=True)) as progress:
         task = progress.add_task(f"{matrix_name}: {seeds} seeds", total=seeds)
         for seed in range(seeds):
             matrix.workload.sampling_seed = seed
-            configs, prompts = prepare(matrix, spec)
+            configs, prompts = prepare(matrix, spec, model_override=model)
+            if configs_wanted:
+                configs = [c for c in configs if c.name in configs_wanted]
             for run in evaluate(matrix, configs, prompts, spec, work / f"seed-{seed}",
                                 Console(quiet=True)):
                 for scen in run.scenarios:
@@ -92,14 +100,21 @@ def main() -> None:
     parser.add_argument("--matrix", default="smoke-bf16")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--configs", default="", help="comma-separated (default: the whole matrix)")
+    parser.add_argument("--engine-python", default=None, help="an SGLang matrix: its python")
+    parser.add_argument("--model", default=None, help="an SGLang matrix: the model for every config")
+    parser.add_argument("--name", default=None, help="results file suffix (default: the matrix)")
     args = parser.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="evalsvc-floor-") as tmp:
-        rows = collect(args.matrix, args.seeds, args.num_prompts, Path(tmp))
+        rows = collect(args.matrix, args.seeds, args.num_prompts, Path(tmp),
+                       [c for c in args.configs.split(",") if c] or None, args.engine_python,
+                       args.model)
     out = {"matrix": args.matrix, "seeds": args.seeds, "num_prompts": args.num_prompts,
-           "seconds": round(time.monotonic() - t0, 1), "summary": summarize(rows), "runs": rows}
+           "model": args.model, "seconds": round(time.monotonic() - t0, 1),
+           "summary": summarize(rows), "runs": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"floor-{args.matrix}.json"
+    path = RESULTS / f"floor-{args.name or args.matrix}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     for s in out["summary"]:
         sk, pk = s["scenario_kl"], s["sample_kl"]
