@@ -123,7 +123,8 @@ class References:
             cfg = make_config(self.matrix, {**(ref.config or {}), "model": model})
             proc = launch(self.spec.with_env(self.matrix.engine_env), cfg.args, free_port(),
                           inside(self.log_dir, f"reference-{model}.log"))
-            self.servers[model] = (proc, EngineClient(proc.base_url))
+            self.servers[model] = (proc, EngineClient(
+                proc.base_url, concurrency=self.matrix.workload.concurrency))
             self.described[model] = {"kind": "config", "config": cfg.name, "command": proc.argv}
             log.info("reference server for %s: %s", model, cfg.name)
         return self.servers[model][1]

@@ -169,7 +169,8 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
             result.command = proc.argv
             result.startup_seconds = proc.startup_seconds
             draft = config.args.get("speculative_num_draft_tokens")
-            client = watchdog.client = EngineClient(proc.base_url, draft_tokens=draft)
+            client = watchdog.client = EngineClient(
+                proc.base_url, draft_tokens=draft, concurrency=matrix.workload.concurrency)
             _drive(result, proc, client, config, matrix, prompts, reference, on_scenario, control,
                    watchdog)
     except EngineStartError as exc:
