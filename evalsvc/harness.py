@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import subprocess
 import threading
@@ -70,6 +71,53 @@ class RunControl:
         with self._lock:
             if self.proc is not None:
                 self.proc.stop(grace=5)
+
+
+class EnginePool:
+    """Engines kept from one run to the next run of the same engine: the same command line (but
+    the port) and environment, as a series of evaluations of one config has them (the false-alarm
+    benchmark and its test). A run takes the engine a run before it left, or starts one; it leaves
+    its engine when it ended with its engine serving (verdict pass, fail, inconclusive or invalid),
+    and stops it otherwise (an error, a cancel, a passed deadline). Every scenario starts from a
+    flushed cache, so a run on a kept engine measures what one on a fresh engine does; it skips the
+    start-up, and the server's own running totals (``avg_spec_accept_length`` in /server_info)
+    count the runs before it too. ``close`` stops the engines left."""
+
+    def __init__(self) -> None:
+        self._idle: dict[str, EngineProcess] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(spec: EngineSpec, args: dict[str, Any]) -> str:
+        fields = {k: v for k, v in spec.__dict__.items() if k != "startup_timeout"}
+        return json.dumps([fields, args], sort_keys=True, default=str)
+
+    def take(self, key: str) -> EngineProcess | None:
+        with self._lock:
+            proc = self._idle.pop(key, None)
+        if proc is not None and not proc.alive():
+            proc.stop()
+            return None
+        return proc
+
+    def leave(self, key: str, proc: EngineProcess) -> None:
+        with self._lock:
+            other = self._idle.pop(key, None)
+            self._idle[key] = proc
+        if other is not None:
+            other.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = list(self._idle.values()), {}
+        for proc in idle:
+            proc.stop()
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_timeout(matrix: MatrixFile, default: float | None = None) -> float:
@@ -143,9 +191,10 @@ def hung_state(proc: EngineProcess) -> str:
 def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
                prompts: list[tuple[str, list[int]]], log_dir: Path | None = None,
                reference: EngineClient | None = None, on_scenario=None,
-               control: RunControl | None = None, run_timeout_s: float | None = None) -> RunResult:
-    """Run every scenario of one config on a fresh engine, within the run's deadline
-    (``run_timeout``: engine start-up included)."""
+               control: RunControl | None = None, run_timeout_s: float | None = None,
+               engines: EnginePool | None = None) -> RunResult:
+    """Run every scenario of one config on a fresh engine (or one ``engines`` kept), within the
+    run's deadline (``run_timeout``: engine start-up included)."""
     t0 = time.monotonic()
     spec = spec.with_env(matrix.engine_env)
     result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
@@ -161,13 +210,22 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
         if control is not None:
             control.engine_started(p)
 
+    key = EnginePool.key(spec, dict(config.args)) if engines is not None else ""
+    kept = engines.take(key) if engines is not None else None
     try:
         with watchdog:
-            # the deadline bounds start-up too (the watchdog ends it, a moment before this would)
-            proc = start_engine(config, replace(spec, startup_timeout=min(
-                spec.startup_timeout, watchdog.left() + 5)), log_path, on_spawn=spawned)
+            if kept is not None:  # a run before this one left its engine: no start-up
+                proc = kept
+                spawned(proc)
+                result.startup_seconds = 0.0
+                result.log_path = str(proc.log_path) if proc.log_path else None
+            else:
+                # the deadline bounds start-up too (the watchdog ends it, a moment before this
+                # would)
+                proc = start_engine(config, replace(spec, startup_timeout=min(
+                    spec.startup_timeout, watchdog.left() + 5)), log_path, on_spawn=spawned)
+                result.startup_seconds = proc.startup_seconds
             result.command = proc.argv
-            result.startup_seconds = proc.startup_seconds
             draft = config.args.get("speculative_num_draft_tokens")
             client = watchdog.client = EngineClient(
                 proc.base_url, draft_tokens=draft, concurrency=matrix.workload.concurrency)
@@ -197,7 +255,14 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
         if client is not None:
             client.close()
         if proc is not None:
-            proc.stop()
+            serving = (result.verdict in ("pass", "fail", "inconclusive", "invalid")
+                       and watchdog.reason is None and proc.alive()
+                       and (client is None or client.timed_out is None)
+                       and not (control is not None and control.cancelled))
+            if engines is not None and serving:
+                engines.leave(key, proc)
+            else:
+                proc.stop()
         result.seconds = time.monotonic() - t0
     return result
 
