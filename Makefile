@@ -1,4 +1,5 @@
 # The two commands: `make run` and `make test`. Both set themselves up in .venv.
+# `make test-fast`: the pure and unit tests alone (no engine processes, SGLang envs or wheels).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed
 # pytest-xdist processes (the slow tests are engine-bound: one core each)
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint lint-docker setup clean chromium sglang-cpu
+.PHONY: run test test-fast lint lint-docker setup clean chromium sglang-cpu
 
 setup: $(STAMP)
 
@@ -32,6 +33,13 @@ chromium:
 test: $(STAMP) chromium
 	$(BIN)/ruff check evalsvc tests training benchmarks
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+# everything not marked slow (engines, services, browsers), sglang_contract or wheels: under 2
+# minutes here; `make test` still runs it all
+test-fast: $(STAMP)
+	$(BIN)/ruff check evalsvc tests training benchmarks
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not sglang_contract and not wheels" \
+	  --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks

@@ -16,8 +16,9 @@ false-alarms: the defect-free engine evaluated ``--seeds`` times as consecutive 
 tracked series: every evaluation is judged against the ones before it and its regressions
 tracked. With ``--same-seed`` every evaluation uses the matrix's own sampling seed, as a nightly
 series does (the runs then differ by the engine's own batching noise); without it each takes
-another seed (1000, 1001, ...). Reports the regression verdicts and regressions opened (the target
-is none) and the verdicts by method.
+another seed (1000, 1001, ...). One engine per config serves all the evaluations
+(``harness.EnginePool``: every scenario starts from a flushed cache). Reports the regression
+verdicts and regressions opened (the target is none) and the verdicts by method.
 
 strength: per sample count (``--sizes``: prompts per scenario), three clean evaluations form the
 baseline (the matrix's seed, as a series would have them); then a clean contender (strength 0: the
@@ -52,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from evalsvc.engines.base import EngineSpec  # noqa: E402
 from evalsvc.evaluate import evaluate, prepare  # noqa: E402
+from evalsvc.harness import EnginePool  # noqa: E402
 from evalsvc.matrix import MatrixFile, load_matrix  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
 from evalsvc.store.models import Build, Commit, Metric, Regression, Run, Verdict  # noqa: E402
@@ -101,10 +103,11 @@ def acting_configs(defect: str) -> list[str]:
 
 def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | None, *,
                       seed: int | None, num_prompts: int, label: str, day: int, work: Path,
-                      defects: str | None = None, track: bool = False) -> list[int]:
+                      defects: str | None = None, track: bool = False,
+                      engines: EnginePool | None = None) -> list[int]:
     """Evaluate configs of a matrix once on the embedded engine, record the runs as one more
     commit (``label``, ``day`` days after START) of the series and judge them. ``seed``: the
-    sampling seed (None: the matrix's own)."""
+    sampling seed (None: the matrix's own); ``engines``: engines kept from the evaluations before."""
     matrix = matrix.model_copy(deep=True)
     matrix.workload.num_prompts = num_prompts
     matrix.workload.sampling_seed = seed
@@ -112,7 +115,8 @@ def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | Non
     cfgs, prompts = prepare(matrix, spec)
     if configs:
         cfgs = [c for c in cfgs if c.name in configs]
-    results = evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True))
+    results = evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True),
+                       engines=engines)
     run_ids = record_results(
         store, job_id=f"{label}-{seed}", trigger="cli",
         spec={"matrix_name": matrix.name, "matrix": matrix.model_dump(mode="json"),
@@ -150,11 +154,13 @@ def false_alarms(store: Store, work: Path, seeds: int, num_prompts: int,
                  same_seed: bool = False) -> dict[str, Any]:
     m = load_matrix(matrix)
     t0 = time.monotonic()
-    for i in range(seeds):
-        evaluate_recorded(store, m, configs, seed=None if same_seed else 1000 + i,
-                          num_prompts=num_prompts, label=f"clean-{i:02d}", day=i, work=work,
-                          track=True)
-        progress(f"evaluation {i + 1}/{seeds}: {time.monotonic() - t0:.0f} s")
+    # one engine per config serves every evaluation (each scenario starts from a flushed cache)
+    with EnginePool() as engines:
+        for i in range(seeds):
+            evaluate_recorded(store, m, configs, seed=None if same_seed else 1000 + i,
+                              num_prompts=num_prompts, label=f"clean-{i:02d}", day=i, work=work,
+                              track=True, engines=engines)
+            progress(f"evaluation {i + 1}/{seeds}: {time.monotonic() - t0:.0f} s")
     return {"matrix": matrix, "seeds": seeds, "same_seed": same_seed, "num_prompts": num_prompts,
             **verdict_counts(store), "seconds": round(time.monotonic() - t0, 1)}
 

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from evalsvc.engines.base import EngineSpec, engine_command, launch
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
-from evalsvc.harness import run_config
+from evalsvc.harness import EnginePool, run_config
 from evalsvc.matrix import Config, MatrixFile, expand, make_config
 from evalsvc.paths import inside
 from evalsvc.scenarios import EngineClient
@@ -66,7 +66,8 @@ def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]
 
 
 def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
-             console: Console | None = None) -> list[RunResult]:
+             console: Console | None = None, engines: EnginePool | None = None) -> list[RunResult]:
+    """Every config, one run at a time; ``engines``: engines kept between runs (``EnginePool``)."""
     console = console or Console()
     bad_models: dict[str, str] = {}
     by_model = tokenized(matrix, spec, prompts, errors=bad_models)
@@ -96,7 +97,8 @@ def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpe
                                        reason=f"reference server did not start: {exc}")
                 else:
                     result = run_config(cfg, matrix, spec, by_model[cfg.model], log_dir=log_dir,
-                                        reference=reference, on_scenario=on_scenario)
+                                        reference=reference, on_scenario=on_scenario,
+                                        engines=engines)
                     result.reference = references.describe(cfg.model)
             progress.update(task, completed=len(cfg.scenarios),
                             description=f"  {cfg.name}: {result.verdict}")
@@ -123,7 +125,8 @@ class References:
             cfg = make_config(self.matrix, {**(ref.config or {}), "model": model})
             proc = launch(self.spec.with_env(self.matrix.engine_env), cfg.args, free_port(),
                           inside(self.log_dir, f"reference-{model}.log"))
-            self.servers[model] = (proc, EngineClient(proc.base_url))
+            self.servers[model] = (proc, EngineClient(
+                proc.base_url, concurrency=self.matrix.workload.concurrency))
             self.described[model] = {"kind": "config", "config": cfg.name, "command": proc.argv}
             log.info("reference server for %s: %s", model, cfg.name)
         return self.servers[model][1]

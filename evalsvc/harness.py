@@ -11,10 +11,13 @@ group is always taken down.
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import logging
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,53 @@ class RunControl:
         with self._lock:
             if self.proc is not None:
                 self.proc.stop(grace=5)
+
+
+class EnginePool:
+    """Engines kept from one run to the next run of the same engine: the same command line (but
+    the port) and environment, as a series of evaluations of one config has them (the false-alarm
+    benchmark and its test). A run takes the engine a run before it left, or starts one; it leaves
+    its engine when it ended with its engine serving (verdict pass, fail, inconclusive or invalid),
+    and stops it otherwise (an error, a cancel, a passed deadline). Every scenario starts from a
+    flushed cache, so a run on a kept engine measures what one on a fresh engine does; it skips the
+    start-up, and the server's own running totals (``avg_spec_accept_length`` in /server_info)
+    count the runs before it too. ``close`` stops the engines left."""
+
+    def __init__(self) -> None:
+        self._idle: dict[str, EngineProcess] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(spec: EngineSpec, args: dict[str, Any]) -> str:
+        fields = {k: v for k, v in spec.__dict__.items() if k != "startup_timeout"}
+        return json.dumps([fields, args], sort_keys=True, default=str)
+
+    def take(self, key: str) -> EngineProcess | None:
+        with self._lock:
+            proc = self._idle.pop(key, None)
+        if proc is not None and not proc.alive():
+            proc.stop()
+            return None
+        return proc
+
+    def leave(self, key: str, proc: EngineProcess) -> None:
+        with self._lock:
+            other = self._idle.pop(key, None)
+            self._idle[key] = proc
+        if other is not None:
+            other.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = list(self._idle.values()), {}
+        for proc in idle:
+            proc.stop()
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_timeout(matrix: MatrixFile, default: float | None = None) -> float:
@@ -141,9 +191,10 @@ def hung_state(proc: EngineProcess) -> str:
 def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
                prompts: list[tuple[str, list[int]]], log_dir: Path | None = None,
                reference: EngineClient | None = None, on_scenario=None,
-               control: RunControl | None = None, run_timeout_s: float | None = None) -> RunResult:
-    """Run every scenario of one config on a fresh engine, within the run's deadline
-    (``run_timeout``: engine start-up included)."""
+               control: RunControl | None = None, run_timeout_s: float | None = None,
+               engines: EnginePool | None = None) -> RunResult:
+    """Run every scenario of one config on a fresh engine (or one ``engines`` kept), within the
+    run's deadline (``run_timeout``: engine start-up included)."""
     t0 = time.monotonic()
     spec = spec.with_env(matrix.engine_env)
     result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
@@ -159,15 +210,25 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
         if control is not None:
             control.engine_started(p)
 
+    key = EnginePool.key(spec, dict(config.args)) if engines is not None else ""
+    kept = engines.take(key) if engines is not None else None
     try:
         with watchdog:
-            # the deadline bounds start-up too (the watchdog ends it, a moment before this would)
-            proc = start_engine(config, replace(spec, startup_timeout=min(
-                spec.startup_timeout, watchdog.left() + 5)), log_path, on_spawn=spawned)
+            if kept is not None:  # a run before this one left its engine: no start-up
+                proc = kept
+                spawned(proc)
+                result.startup_seconds = 0.0
+                result.log_path = str(proc.log_path) if proc.log_path else None
+            else:
+                # the deadline bounds start-up too (the watchdog ends it, a moment before this
+                # would)
+                proc = start_engine(config, replace(spec, startup_timeout=min(
+                    spec.startup_timeout, watchdog.left() + 5)), log_path, on_spawn=spawned)
+                result.startup_seconds = proc.startup_seconds
             result.command = proc.argv
-            result.startup_seconds = proc.startup_seconds
             draft = config.args.get("speculative_num_draft_tokens")
-            client = watchdog.client = EngineClient(proc.base_url, draft_tokens=draft)
+            client = watchdog.client = EngineClient(
+                proc.base_url, draft_tokens=draft, concurrency=matrix.workload.concurrency)
             _drive(result, proc, client, config, matrix, prompts, reference, on_scenario, control,
                    watchdog)
     except EngineStartError as exc:
@@ -194,7 +255,14 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
         if client is not None:
             client.close()
         if proc is not None:
-            proc.stop()
+            serving = (result.verdict in ("pass", "fail", "inconclusive", "invalid")
+                       and watchdog.reason is None and proc.alive()
+                       and (client is None or client.timed_out is None)
+                       and not (control is not None and control.cancelled))
+            if engines is not None and serving:
+                engines.leave(key, proc)
+            else:
+                proc.stop()
         result.seconds = time.monotonic() - t0
     return result
 
@@ -298,41 +366,60 @@ def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
 
 def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
           resolved: dict[str, Any]) -> ScenarioResult:
-    """KL estimators, hit coverage, acceptance and the verdict of one scenario."""
-    per_sample_k3, per_sample_extend, rows = [], [], []
-    topk_vals, same_top, exact = [], [], []
-    for s in samples:
-        dec, ref = np.asarray(s.completion.logprobs), np.asarray(s.reference)
-        kl = metrics.token_kl(dec, ref)
-        per_sample_k3.append(kl["k3"])
-        extend = metrics.token_kl(np.asarray(s.extend), np.asarray(s.extend_reference))["k3"]
-        per_sample_extend.append(extend)
-        row = sample_row(s, kl, extend)
-        if s.completion.top is not None and s.reference_top is not None and len(dec):
-            tk = metrics.topk_kl(s.completion.top.positions, s.reference_top.positions)
-            st = metrics.same_top_token(s.completion.top.positions, s.reference_top.positions)
-            topk_vals.append(tk)
-            same_top.append(st)
-            row["topk_kl_mean"] = float(tk.mean())
-            row["same_top_rate"] = float(st.mean())
-        if len(dec):
-            exact.append(dec == ref)
-        rows.append(row)
+    """KL estimators, hit coverage, acceptance and the verdict of one scenario.
+
+    Every sample's tokens are scored in one pass (``metrics.token_kl_by_sample``), decode and
+    extend apart; per-sample values equal those of the sample's own arrays, bit for bit."""
+    try:
+        kl = metrics.token_kl_by_sample([s.completion.logprobs for s in samples],
+                                        [s.reference for s in samples], DIVERGENCE_TOL)
+        ext = metrics.token_kl_by_sample([s.extend for s in samples],
+                                         [s.extend_reference for s in samples])
+    except ValueError:
+        for s in samples:  # the first bad sample's error, in the order the samples are read
+            metrics.token_kl(s.completion.logprobs, s.reference)
+            metrics.token_kl(s.extend, s.extend_reference)
+            if (s.completion.top is not None and s.reference_top is not None
+                    and len(s.completion.logprobs)):
+                metrics.topk_kl_and_same_top(s.completion.top.positions,
+                                             s.reference_top.positions)
+        raise
+    rows = []
+    topk_vals, same_top = [], []
+    per_sample = zip(kl.lengths.tolist(), kl.k1_mean.tolist(), kl.k2_mean.tolist(),
+                     kl.k3_mean.tolist(), kl.k3_max.tolist(), kl.first_above.tolist(),
+                     ext.lengths.tolist(), ext.k3_mean.tolist(), ext.k3_max.tolist(), strict=True)
+    with collections_held():
+        for s, values in zip(samples, per_sample, strict=True):
+            dec_top, ref_top = _top_arrays(s.completion.top), _top_arrays(s.reference_top)
+            row = sample_row(s, *values, top_arrays=(dec_top, ref_top))
+            if s.completion.top is not None and s.reference_top is not None and values[0]:
+                tk, st = metrics.topk_kl_and_same_top(s.completion.top.positions,
+                                                      s.reference_top.positions, dec_top, ref_top)
+                topk_vals.append(tk)
+                same_top.append(st)
+                row["topk_kl_mean"] = float(tk.mean())
+                row["same_top_rate"] = float(st.mean())
+            rows.append(row)
     m: dict[str, Any] = {}
-    if any(len(x) for x in per_sample_k3):
-        kl_summary = metrics.summarize_kl(per_sample_k3, seed=0)
+    if kl.k3.size:
+        nonempty = kl.lengths > 0
+        kl_summary = metrics.summarize_pooled_kl(kl.k3, kl.k3_mean[nonempty],
+                                                 int((~nonempty).sum()), seed=0)
         m.update({f"kl_k3_{k}": v for k, v in kl_summary.items()})
         for est in ("k1", "k2"):
             m[f"kl_{est}_mean"] = float(np.mean([r[f"kl_{est}_mean"] for r in rows]))
-    if any(len(x) for x in per_sample_extend):
-        ext = metrics.summarize_kl(per_sample_extend, seed=0)
-        m.update({f"extend_kl_k3_{k}": ext[k] for k in ("mean", "ci_low", "ci_high", "n_samples",
-                                                        "n_tokens", "p99", "max")})
+    if ext.k3.size:
+        nonempty = ext.lengths > 0
+        summary = metrics.summarize_pooled_kl(ext.k3, ext.k3_mean[nonempty],
+                                              int((~nonempty).sum()), seed=0)
+        m.update({f"extend_kl_k3_{k}": summary[k] for k in (
+            "mean", "ci_low", "ci_high", "n_samples", "n_tokens", "p99", "max")})
     if topk_vals:
         m["topk_kl_mean"] = float(np.concatenate(topk_vals).mean())
         m["same_top_rate"] = float(np.concatenate(same_top).mean())
-    if exact:
-        m["bit_exact_fraction"] = float(np.concatenate(exact).mean())
+    if kl.k3.size:  # the mean of one boolean per token: the count of equal ones over all
+        m["bit_exact_fraction"] = kl.equal / kl.k3.size
     divergences = [r["first_divergence"] for r in rows if r["first_divergence"] is not None]
     m["first_divergence_min"] = min(divergences) if divergences else None
     m["samples_diverged"] = len(divergences)
@@ -346,6 +433,21 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m["accept_length"] = metrics.sglang_accept_length(counters)
     verdict, reason = decide(name, m, config, matrix)
     return ScenarioResult(name, verdict, reason, m, rows)
+
+
+@contextlib.contextmanager
+def collections_held():
+    """Holds off Python's cyclic garbage collector (as it was, after): building a row per sample
+    allocates enough containers to start a full collection now and then, and with a scenario's
+    sample lists in memory (10 million floats) that one walks them all: 0.65 s measured, longer
+    than the scoring. Nothing built here is cyclic."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile) -> tuple[str, str]:
@@ -380,40 +482,79 @@ def scenario_limits(config: Config, matrix: MatrixFile, scenario: str):
                       accept_floor=config.accept_floor)
 
 
-def sample_row(s: Sample, kl: dict[str, np.ndarray], extend_k3: np.ndarray) -> dict[str, Any]:
-    dec, ref = np.asarray(s.completion.logprobs), np.asarray(s.reference)
-    diff = np.abs(dec - ref)
-    over = np.nonzero(diff > DIVERGENCE_TOL)[0]
-    n = len(dec)
+def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,
+               k3_max: float, first_divergence: int, n_extend: int, extend_mean: float,
+               extend_max: float, top_arrays: tuple[Any, Any] = (None, None)) -> dict[str, Any]:
+    """One sample's row: its ``n`` generated tokens' mean k1/k2/k3 and max k3 (nats), the index of
+    the first whose logprobs differ by more than DIVERGENCE_TOL (-1: none), the same of its
+    ``n_extend`` extend tokens, and both sides' logprobs and the output ids: the sample's own
+    lists (Python floats, as ``parse_completion`` and ``add_reference`` make them), not copies:
+    a copy of ten million floats takes longer than all of the scoring. ``top_arrays``: the
+    ``metrics.top_arrays`` of both sides' top-k lists, when made."""
     return {
         "sample_id": s.sample_id, "prompt_id": s.prompt_id, "prompt_tokens": len(s.prompt_ids),
         "cached_tokens": s.completion.cached_tokens,
         "host_cached_tokens": s.completion.host_cached_tokens, "hit": s.hit,
         "completion_tokens": n,
-        "kl_k1_mean": float(kl["k1"].mean()) if n else 0.0,
-        "kl_k2_mean": float(kl["k2"].mean()) if n else 0.0,
-        "kl_k3_mean": float(kl["k3"].mean()) if n else 0.0,
-        "kl_k3_max": float(kl["k3"].max()) if n else 0.0,
-        "first_divergence": int(over[0]) if len(over) else None,
+        "kl_k1_mean": float(k1_mean) if n else 0.0,
+        "kl_k2_mean": float(k2_mean) if n else 0.0,
+        "kl_k3_mean": float(k3_mean) if n else 0.0,
+        "kl_k3_max": float(k3_max) if n else 0.0,
+        "first_divergence": first_divergence if first_divergence >= 0 else None,
         # the extend: prompt tokens prefilled on the cached prefix, against the cold reference
-        "extend_tokens": len(extend_k3),
-        "extend_kl_k3_mean": float(extend_k3.mean()) if len(extend_k3) else None,
-        "extend_kl_k3_max": float(extend_k3.max()) if len(extend_k3) else None,
-        "extend_logprobs": list(s.extend),
-        "extend_reference_logprobs": list(s.extend_reference),
-        "output_ids": list(s.completion.token_ids),
-        "decode_logprobs": [float(x) for x in dec],
-        "reference_logprobs": [float(x) for x in ref],
+        "extend_tokens": n_extend,
+        "extend_kl_k3_mean": float(extend_mean) if n_extend else None,
+        "extend_kl_k3_max": float(extend_max) if n_extend else None,
+        "extend_logprobs": _as_list(s.extend),
+        "extend_reference_logprobs": _as_list(s.extend_reference),
+        "output_ids": _as_list(s.completion.token_ids),
+        "decode_logprobs": _floats(s.completion.logprobs),
+        "reference_logprobs": _floats(s.reference),
         "accept_length": (s.completion.spec.completion_tokens / s.completion.spec.verify_ct
                           if s.completion.spec else None),
         # both sides' top-k candidates per generated token, for the drill-down
-        **_top_columns("decode", s.completion.top), **_top_columns("reference", s.reference_top),
+        **_top_columns("decode", s.completion.top, top_arrays[0]),
+        **_top_columns("reference", s.reference_top, top_arrays[1]),
     }
 
 
-def _top_columns(side: str, top: TopLogprobs | None) -> dict[str, Any]:
+def _as_list(values: Sequence[Any]) -> list[Any]:
+    return values if type(values) is list else list(values)
+
+
+def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
+    """``values`` as a list of Python floats: a list as it is (its items are floats), anything
+    else converted."""
+    if type(values) is list:
+        return values
+    return np.asarray(values, dtype=np.float64).tolist()
+
+
+def _top_arrays(top: TopLogprobs | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``metrics.top_arrays`` of a side's lists; None without them or when they do not convert
+    (the lists are then read as they are, and their errors named where they are read)."""
+    if top is None or None in top.positions:
+        return None
+    try:
+        return metrics.top_arrays(top.positions)
+    except (TypeError, ValueError):
+        return None
+
+
+def _top_columns(side: str, top: TopLogprobs | None,
+                 arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+    """Both columns of a side's top-k lists: per position, the ids (ints) and logprobs (floats,
+    None for a missing one)."""
     if top is None:
         return {f"{side}_top_ids": None, f"{side}_top_logprobs": None}
+    if arrays is not None and not np.isnan(arrays[1][arrays[2]]).any():
+        ids, lps, valid = arrays
+        id_rows, lp_rows = ids.tolist(), lps.tolist()
+        if not valid.all():  # shorter lists: each position's own entries
+            lengths = valid.sum(axis=1).tolist()
+            id_rows = [row[:k] for row, k in zip(id_rows, lengths, strict=True)]
+            lp_rows = [row[:k] for row, k in zip(lp_rows, lengths, strict=True)]
+        return {f"{side}_top_ids": id_rows, f"{side}_top_logprobs": lp_rows}
     positions = [pos or [] for pos in top.positions]
     return {f"{side}_top_ids": [[int(t) for t, _ in pos] for pos in positions],
             f"{side}_top_logprobs": [[None if lp is None else float(lp) for _, lp in pos]

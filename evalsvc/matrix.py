@@ -172,6 +172,9 @@ class MTPSettings(Strict):
     num_draft_tokens: int | None = Field(None, ge=1, le=1024)
 
 
+DEFAULT_CONCURRENCY = 16  # requests of a scenario's batch in flight at once
+
+
 class WorkloadSpec(Strict):
     # builtin:NAME, a local .jsonl/.json/.parquet/.csv file, or a hub dataset
     dataset: str = Field("builtin:demo", min_length=1, max_length=1000)
@@ -187,6 +190,9 @@ class WorkloadSpec(Strict):
     sampling_seed: int | None = Field(None, ge=0, lt=INT64)
     # shared system prefix for branching (0: derived from the prompts)
     prefix_tokens: int = Field(0, ge=0, le=1 << 20)
+    # requests of a scenario's batch in flight at once (the default leaves the workload version
+    # as it was: see workloads.workload_version)
+    concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=4096)
 
 
 class Thresholds(Strict):

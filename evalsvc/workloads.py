@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from evalsvc.matrix import WorkloadSpec
+from evalsvc.matrix import DEFAULT_CONCURRENCY, WorkloadSpec
 from evalsvc.paths import inside
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -219,8 +219,11 @@ def _json_array_head(path: Path, limit: int) -> list[dict]:
 
 def workload_version(spec: WorkloadSpec, prompts: list[Prompt]) -> str:
     """A hash of the workload definition and the prompts it produced."""
-    h = hashlib.sha256(json.dumps(spec.model_dump(exclude={"sampling_seed"}), sort_keys=True)
-                       .encode())
+    # batches of other sizes are other results (batching moves a GPU engine's numbers); the
+    # default is left out, so that versions from before the setting stay what they were
+    exclude = {"sampling_seed"} | ({"concurrency"} if spec.concurrency == DEFAULT_CONCURRENCY
+                                  else set())
+    h = hashlib.sha256(json.dumps(spec.model_dump(exclude=exclude), sort_keys=True).encode())
     for p in prompts:
         h.update(p.id.encode() + b"\0" + p.text.encode() + b"\0")
     return h.hexdigest()[:12]

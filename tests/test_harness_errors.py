@@ -393,8 +393,10 @@ def stop_when_busy(proc: EngineProcess, stopped: threading.Event) -> None:
 def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path,
                                                                       no_engine_left_behind):
     """A SIGSTOPped engine answers nothing: the run ends ``error`` at its deadline (not after the
-    per-request timeout), says the engine did not answer and was stopped, and its group is killed."""
-    deadline = 60
+    per-request timeout), says the engine did not answer and was stopped, and its group is killed.
+    The deadline leaves start-up ample time, and is far below the first batch's request timeout
+    (about 90 s: 3 prompts of 64 tokens)."""
+    deadline = 30
     matrix, configs = load(tmp_path / "m.yaml", {
         **EMBEDDED, "run_timeout_s": deadline, "scenarios": ["cold", "prefill_hit"],
         "workload": {"num_prompts": 3, "max_new_tokens": 64}, "include": [{"strategy": "auto"}]})

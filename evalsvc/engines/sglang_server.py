@@ -15,7 +15,10 @@ and flag names that moved between SGLang releases are handled here and only here
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
 from typing import Any
 
 from evalsvc.types import Completion, SpecCounters, TopLogprobs
@@ -142,9 +145,33 @@ def build_reference_payload(prompt_ids: list[int], output_ids: list[int], *,
 
 # ---- responses -------------------------------------------------------------------------------
 
+_ENTRY_TYPES = {list, tuple}
+_LOGPROB_TYPES = {float, type(None)}
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_NOT_NONE = functools.partial(operator.is_not, None)
+
+
+def _columns(entries: list) -> tuple[list[float | None], list[int]] | None:
+    """The logprobs and token ids of ``[logprob, token_id, text]`` entries as SGLang writes them:
+    each a list (or tuple) with a float or null logprob and an int id. None for anything else,
+    which the entry-by-entry checks then name. (A few C-level passes instead of a Python loop: a
+    response's top-5 lists are hundreds of entries.)"""
+    try:
+        if not (set(map(type, entries)) <= _ENTRY_TYPES and min(map(len, entries), default=2) >= 2):
+            return None
+    except TypeError:
+        return None
+    lps, ids = list(map(_FIRST, entries)), list(map(_SECOND, entries))
+    if set(map(type, ids)) <= {int} and set(map(type, lps)) <= _LOGPROB_TYPES:
+        return lps, ids
+    return None
+
+
 def _triples(entries: Any, field: str) -> list[tuple[float | None, int]]:
     if entries is None:
         return []
+    if type(entries) is list and (columns := _columns(entries)) is not None:
+        return list(zip(*columns, strict=True))
     if not isinstance(entries, list):
         raise ResponseError(f"meta_info.{field}: expected a list, got {type(entries).__name__}")
     out = []
@@ -163,6 +190,16 @@ def _triples(entries: Any, field: str) -> list[tuple[float | None, int]]:
 def _top(entries: Any, field: str) -> TopLogprobs | None:
     if entries is None:
         return None
+    if type(entries) is list and all(pos is None or type(pos) is list for pos in entries):
+        columns = _columns(list(itertools.chain.from_iterable(pos for pos in entries if pos)))
+        if columns is not None:  # every position's entries at once, then cut per position
+            pairs = list(zip(columns[1], columns[0], strict=True))
+            positions, at = [], 0
+            for pos in entries:
+                n = len(pos) if pos else 0
+                positions.append(pairs[at: at + n])
+                at += n
+            return TopLogprobs(positions)
     positions = []
     for i, pos in enumerate(entries):
         positions.append([] if pos is None else
@@ -201,21 +238,21 @@ def parse_completion(resp: Any, draft_tokens: int | None = None) -> Completion:
         raise ResponseError("the /generate response has no meta_info")
     meta = resp["meta_info"]
     out = _triples(meta.get("output_token_logprobs"), "output_token_logprobs")
-    ids = [tid for _, tid in out]
+    ids = list(map(_SECOND, out))
     given = resp.get("output_ids")
     if meta.get("output_token_logprobs") is None and given is not None:
         ids = list(given)  # no logprobs asked for
     elif given is not None and list(given) != ids:
         raise ResponseError("output_ids and output_token_logprobs disagree")
-    lps = []
-    for i, (lp, _) in enumerate(out):
-        if lp is None or not math.isfinite(lp):
-            raise ResponseError(f"meta_info.output_token_logprobs[{i}]: logprob is {lp!r}")
-        lps.append(lp)
-    inputs = [lp for lp, _ in _triples(meta.get("input_token_logprobs"), "input_token_logprobs")]
-    for i, lp in enumerate(inputs):
-        if lp is not None and not math.isfinite(lp):
-            raise ResponseError(f"meta_info.input_token_logprobs[{i}]: logprob is {lp!r}")
+    lps = list(map(_FIRST, out))
+    if None in lps or not all(map(math.isfinite, lps)):
+        i, lp = next((i, lp) for i, lp in enumerate(lps) if lp is None or not math.isfinite(lp))
+        raise ResponseError(f"meta_info.output_token_logprobs[{i}]: logprob is {lp!r}")
+    inputs = list(map(_FIRST, _triples(meta.get("input_token_logprobs"), "input_token_logprobs")))
+    if not all(map(math.isfinite, filter(_NOT_NONE, inputs))):
+        i, lp = next((i, lp) for i, lp in enumerate(inputs)
+                     if lp is not None and not math.isfinite(lp))
+        raise ResponseError(f"meta_info.input_token_logprobs[{i}]: logprob is {lp!r}")
     details = meta.get("cached_tokens_details") or {}
     return Completion(
         token_ids=ids, logprobs=lps, prompt_tokens=int(meta.get("prompt_tokens", 0)),

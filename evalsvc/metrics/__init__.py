@@ -10,11 +10,15 @@ from evalsvc.metrics.acceptance import (
     vllm_mean_acceptance_length,
 )
 from evalsvc.metrics.kl import (
+    SampleKL,
     bit_exact_fraction,
     first_divergence,
     same_top_token,
     token_kl,
+    token_kl_by_sample,
+    top_arrays,
     topk_kl,
+    topk_kl_and_same_top,
 )
 from evalsvc.metrics.stats import (
     bootstrap_mean_ci,
@@ -22,9 +26,11 @@ from evalsvc.metrics.stats import (
     paired_difference_cis,
     percentiles,
     summarize_kl,
+    summarize_pooled_kl,
 )
 
 __all__ = [
+    "SampleKL",
     "bit_exact_fraction",
     "bootstrap_mean_ci",
     "first_divergence",
@@ -37,8 +43,12 @@ __all__ = [
     "sglang_accept_rate",
     "summarize_acceptance",
     "summarize_kl",
+    "summarize_pooled_kl",
     "token_kl",
+    "token_kl_by_sample",
+    "top_arrays",
     "topk_kl",
+    "topk_kl_and_same_top",
     "vllm_acceptance_rate",
     "vllm_mean_acceptance_length",
 ]

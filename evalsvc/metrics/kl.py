@@ -10,11 +10,17 @@ All logprobs are natural logs, so every divergence returned here is in **nats**.
   which is a lower bound of the true KL.
 
 Plus exact-match diagnostics: ``same_top_token``, ``first_divergence``, ``bit_exact_fraction``.
+
+``token_kl_by_sample`` is ``token_kl`` of many samples at once (a scenario's), in one pass over all
+their tokens, with per-sample means and maxima equal to those of each sample's own arrays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,21 +92,207 @@ def token_kl(
     return {"logr": logr, "k1": -logr, "k2": 0.5 * logr**2, "k3": k3}
 
 
-def _pad_topk(top: TopK, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pad per-position top-k lists into (ids, logprobs, valid) arrays of shape (n, k_max)."""
+class _Irregular(Exception):
+    """An input the pooled path does not take as it is: the per-sample path decides (and names
+    the problem)."""
+
+
+# Tokens per block of samples scored together: a block's temporaries (2 MB each) stay in cache
+_BLOCK_TOKENS = 1 << 18
+
+
+@dataclass
+class SampleKL:
+    """``token_kl`` of many samples (a scenario's), reduced per sample; shapes ``(n_samples,)``.
+
+    ``lengths``: tokens per sample. ``k1_mean``, ``k2_mean``, ``k3_mean``, ``k3_max``: nats, each
+    equal bit for bit to ``token_kl(decode[s], reference[s])[...].mean()`` (``.max()``) of the
+    sample alone; NaN for a sample without tokens. ``first_above``: the index of a sample's first
+    token whose two logprobs differ by more than the ``tol`` asked for, -1 if none. ``k3``: shape
+    ``(n_tokens,)``, every sample's per-token k3 concatenated in sample order. ``equal``: tokens
+    whose two logprobs are exactly equal.
+    """
+
+    lengths: np.ndarray
+    k1_mean: np.ndarray
+    k2_mean: np.ndarray
+    k3_mean: np.ndarray
+    k3_max: np.ndarray
+    first_above: np.ndarray
+    k3: np.ndarray
+    equal: int
+
+
+def token_kl_by_sample(decode: Sequence[Sequence[float] | np.ndarray],
+                       reference: Sequence[Sequence[float] | np.ndarray],
+                       tol: float = LOGPROB_TOL) -> SampleKL:
+    """``token_kl`` of each pair ``(decode[s], reference[s])`` (one sample's two logprob
+    sequences), reduced per sample (``SampleKL``): the same values, and the same error (the first
+    failing sample's), as one call per sample, from one pass over all tokens in blocks of
+    samples."""
+    if len(decode) != len(reference):
+        raise ValueError(f"decode and reference differ in number of samples: {len(decode)} != "
+                         f"{len(reference)}")
+    try:
+        return _by_blocks(decode, reference, tol)
+    except _Irregular:
+        pass
+    for d, r in zip(decode, reference, strict=True):  # raises the first sample's error
+        token_kl(d, r)
+    raise AssertionError("unreachable: a sample the pooled path refused passes token_kl")
+
+
+def _by_blocks(decode: Sequence[Sequence[float] | np.ndarray],
+               reference: Sequence[Sequence[float] | np.ndarray], tol: float) -> SampleKL:
+    try:
+        lengths = np.array([len(d) for d in decode], dtype=np.int64)
+        if lengths.tolist() != [len(r) for r in reference]:
+            raise _Irregular
+    except TypeError as exc:
+        raise _Irregular from exc
+    n = len(lengths)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    out = SampleKL(lengths, np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan),
+                   np.full(n, np.nan), np.full(n, -1, dtype=np.int64),
+                   np.empty(int(offsets[-1]), dtype=np.float64), 0)
+    start = 0
+    while start < n:
+        # the samples of one block: at least one, about _BLOCK_TOKENS tokens
+        stop = max(start + 1, int(np.searchsorted(offsets, offsets[start] + _BLOCK_TOKENS,
+                                                  side="right")) - 1)
+        _block(decode, reference, offsets, start, min(stop, n), tol, out)
+        start = min(stop, n)
+    return out
+
+
+def _block(decode: Sequence[Sequence[float] | np.ndarray],
+           reference: Sequence[Sequence[float] | np.ndarray], offsets: np.ndarray, start: int,
+           stop: int, tol: float, out: SampleKL) -> None:
+    """Samples ``start:stop``: their token_kl, into ``out``."""
+    a, b = int(offsets[start]), int(offsets[stop])
+    dec = _read(decode[start:stop], b - a)
+    ref = _read(reference[start:stop], b - a)
+    if not (_plain_logprobs(dec) and _plain_logprobs(ref)):
+        raise _Irregular
+    logr = ref - dec  # as token_kl computes each estimator, one token at a time
+    k3 = out.k3[a:b]
+    with np.errstate(over="ignore"):
+        np.expm1(logr, out=k3)
+    np.subtract(k3, logr, out=k3)
+    np.maximum(k3, 0.0, out=k3)
+    local = offsets[start: stop + 1] - a
+    sel = slice(start, stop)
+    out.k3_mean[sel] = _per_sample(k3, local, np.mean)
+    out.k3_max[sel] = _per_sample(k3, local, np.max)
+    out.k1_mean[sel] = _per_sample(-logr, local, np.mean)
+    k2 = np.square(logr)
+    np.multiply(k2, 0.5, out=k2)
+    out.k2_mean[sel] = _per_sample(k2, local, np.mean)
+    out.first_above[sel] = _first_above(np.abs(logr) > tol, local)
+    out.equal += int(np.count_nonzero(dec == ref))
+
+
+def _per_sample(values: np.ndarray, offsets: np.ndarray,
+                reduce: Callable[..., np.ndarray]) -> np.ndarray:
+    """Per sample (``values[offsets[s]:offsets[s + 1]]``), ``reduce`` of its values, equal bit for
+    bit to ``reduce`` of that slice alone; NaN for a sample without values."""
+    # numpy reduces each row of a C-ordered 2-D array as it reduces a 1-D array of that row
+    # (pairwise summation along the row), so samples of one length are reduced as one block
+    lengths = np.diff(offsets)
+    result = np.full(len(lengths), np.nan)
+    if len(lengths) and (lengths == lengths[0]).all():
+        if lengths[0]:
+            result[:] = reduce(values.reshape(len(lengths), int(lengths[0])), axis=1)
+        return result
+    order = np.argsort(lengths, kind="stable")
+    for group in np.split(order, np.flatnonzero(np.diff(lengths[order])) + 1):
+        length = int(lengths[group[0]])
+        if length == 0:
+            continue
+        starts = offsets[group]
+        if len(group) == 1:
+            result[group[0]] = reduce(values[starts[0]: starts[0] + length])
+        else:
+            result[group] = reduce(values[starts[:, None] + np.arange(length)], axis=1)
+    return result
+
+
+def _first_above(over: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per sample, the index within it of its first True in ``over``, -1 if none."""
+    hits = np.flatnonzero(over)
+    starts, ends = offsets[:-1], offsets[1:]
+    if not len(hits):
+        return np.full(len(starts), -1, dtype=np.int64)
+    at = np.searchsorted(hits, starts)
+    first = hits[np.minimum(at, len(hits) - 1)]
+    return np.where((at < len(hits)) & (first < ends), first - starts, -1)
+
+
+def _read(seqs: Sequence[Sequence[float] | np.ndarray], total: int) -> np.ndarray:
+    """The sequences' values, concatenated, as float64 (as ``np.asarray(x, np.float64)`` each)."""
+    try:
+        if all(type(x) is list for x in seqs):
+            values = np.fromiter(itertools.chain.from_iterable(seqs), np.float64, count=total)
+        else:
+            arrays = [np.asarray(x, dtype=np.float64) for x in seqs]
+            if any(x.ndim != 1 for x in arrays):
+                raise _Irregular
+            values = np.concatenate(arrays) if arrays else np.zeros(0)
+    except (TypeError, ValueError) as exc:
+        raise _Irregular from exc
+    if values.size != total:
+        raise _Irregular
+    return values
+
+
+def _plain_logprobs(x: np.ndarray) -> bool:
+    """No NaN, no inf, nothing above LOGPROB_TOL: what ``_check_logprob_values`` lets through."""
+    return x.size == 0 or bool(x.max() <= LOGPROB_TOL and x.min() > -np.inf)
+
+
+def top_arrays(top: TopK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-position top-k lists as padded arrays, shape ``(n_positions, k_max)`` each: token ids
+    (int64, 0 where padded), logprobs (float64, -inf where padded; a None logprob is NaN) and
+    which entries are listed (bool). Each position's pairs convert as ``np.asarray(pos,
+    np.float64)`` converts them. No checks of the values (``topk_kl`` makes them)."""
     n = len(top)
-    k_max = max((len(pos) for pos in top), default=0)
+    lengths = np.fromiter(map(len, top), np.int64, count=n)
+    k_max = int(lengths.max()) if n else 0
     ids = np.zeros((n, k_max), dtype=np.int64)
     lps = np.full((n, k_max), -np.inf, dtype=np.float64)
-    valid = np.zeros((n, k_max), dtype=bool)
-    for i, pos in enumerate(top):
-        k = len(pos)
-        if k:
-            arr = np.asarray(pos, dtype=np.float64).reshape(k, 2)
-            ids[i, :k] = arr[:, 0].astype(np.int64)
-            lps[i, :k] = arr[:, 1]
-            valid[i, :k] = True
+    valid = np.arange(k_max) < lengths[:, None]
+    total = int(lengths.sum())
+    flat = None
+    entries = itertools.chain.from_iterable(top)
+    if total and set(map(len, itertools.chain.from_iterable(top))) == {2}:
+        with contextlib.suppress(TypeError, ValueError):  # None logprobs: one position at a time
+            flat = np.fromiter(itertools.chain.from_iterable(entries), np.float64,
+                               count=2 * total).reshape(total, 2)
+    if flat is not None:  # every pair at once, put in place by its position and rank
+        ids[valid] = flat[:, 0].astype(np.int64)
+        lps[valid] = flat[:, 1]
+    else:
+        for i, pos in enumerate(top):
+            k = len(pos)
+            if k:
+                arr = np.asarray(pos, dtype=np.float64).reshape(k, 2)
+                ids[i, :k] = arr[:, 0].astype(np.int64)
+                lps[i, :k] = arr[:, 1]
+    return ids, lps, valid
+
+
+def _pad_topk(top: TopK, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pad per-position top-k lists into (ids, logprobs, valid) arrays of shape (n, k_max), and
+    check them."""
+    return _checked(top_arrays(top), name)
+
+
+def _checked(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], name: str
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ids, lps, valid = arrays
     _check_logprob_values(lps[valid], name, allow_neg_inf=True)
+    k_max = ids.shape[1]
     if k_max > 1:
         # Duplicate ids within one position would be double-counted: reject them.
         sentinel = np.iinfo(np.int64).min + np.arange(k_max)  # distinct, never a real id
@@ -169,11 +361,21 @@ def topk_kl(p_top: TopK, q_top: TopK) -> np.ndarray:
 
     Memory is O(n * k_p * k_q) per chunk of positions; meant for top-k of tens, not whole vocabularies.
     """
+    return _topk_kl_padded(*_padded_sides(p_top, q_top))
+
+
+Padded = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _padded_sides(p_top: TopK, q_top: TopK) -> tuple[Padded, Padded]:
     if len(p_top) != len(q_top):
         raise ValueError(f"p_top and q_top differ in number of positions: {len(p_top)} != {len(q_top)}")
-    ids_p, lp_p, ok_p = _pad_topk(p_top, "p_top")
-    ids_q, lp_q, ok_q = _pad_topk(q_top, "q_top")
-    n = len(p_top)
+    return _pad_topk(p_top, "p_top"), _pad_topk(q_top, "q_top")
+
+
+def _topk_kl_padded(p: Padded, q: Padded) -> np.ndarray:
+    (ids_p, lp_p, ok_p), (ids_q, lp_q, ok_q) = p, q
+    n = len(ids_p)
     out = np.zeros(n, dtype=np.float64)
     if n == 0 or ids_p.shape[1] == 0 or ids_q.shape[1] == 0:
         return out
@@ -184,14 +386,19 @@ def topk_kl(p_top: TopK, q_top: TopK) -> np.ndarray:
     return out
 
 
-def _top_ids(top: TopK, name: str) -> tuple[np.ndarray, np.ndarray]:
-    ids, lps, valid = _pad_topk(top, name)
+def _top_ids(padded: Padded) -> tuple[np.ndarray, np.ndarray]:
+    ids, lps, valid = padded
     nonempty = valid.any(axis=1)
     if ids.shape[1] == 0:
-        return np.zeros(len(top), dtype=np.int64), nonempty
+        return np.zeros(len(ids), dtype=np.int64), nonempty
     # np.argmax takes the first maximum: ties resolve to the earliest listed entry.
     best = np.argmax(np.where(valid, lps, -np.inf), axis=1)
-    return ids[np.arange(len(top)), best], nonempty
+    return ids[np.arange(len(ids)), best], nonempty
+
+
+def _same_top_padded(p: Padded, q: Padded) -> np.ndarray:
+    (top_p, ok_p), (top_q, ok_q) = _top_ids(p), _top_ids(q)
+    return (top_p == top_q) & ok_p & ok_q
 
 
 def same_top_token(p_top: TopK, q_top: TopK) -> np.ndarray:
@@ -200,11 +407,21 @@ def same_top_token(p_top: TopK, q_top: TopK) -> np.ndarray:
     Ties within a list resolve to the earliest listed entry. A position where either list is empty
     is False. Raises ValueError when the sides differ in number of positions.
     """
-    if len(p_top) != len(q_top):
-        raise ValueError(f"p_top and q_top differ in number of positions: {len(p_top)} != {len(q_top)}")
-    top_p, ok_p = _top_ids(p_top, "p_top")
-    top_q, ok_q = _top_ids(q_top, "q_top")
-    return (top_p == top_q) & ok_p & ok_q
+    return _same_top_padded(*_padded_sides(p_top, q_top))
+
+
+def topk_kl_and_same_top(p_top: TopK, q_top: TopK, p_arrays: Padded | None = None,
+                         q_arrays: Padded | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(topk_kl(p_top, q_top), same_top_token(p_top, q_top))``, each side's lists read once;
+    ``p_arrays`` / ``q_arrays``: ``top_arrays`` of them, when already made."""
+    if p_arrays is None or q_arrays is None:
+        p, q = _padded_sides(p_top, q_top)
+    else:
+        if len(p_top) != len(q_top):
+            raise ValueError(f"p_top and q_top differ in number of positions: {len(p_top)} != "
+                             f"{len(q_top)}")
+        p, q = _checked(p_arrays, "p_top"), _checked(q_arrays, "q_top")
+    return _topk_kl_padded(p, q), _same_top_padded(p, q)
 
 
 def first_divergence(

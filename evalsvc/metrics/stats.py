@@ -30,6 +30,8 @@ PERCENTILES: dict[str, float] = {
 
 # Bootstrap resample rows are drawn in chunks of at most this many indices (memory bound).
 _MAX_RESAMPLE_ELEMENTS = 4_000_000
+# ... and their resampled values gathered in pieces of about this many (5 MB), for the cache
+_GATHER_ELEMENTS = 640_000
 
 
 def _as_finite_vector(x: np.ndarray | Sequence[float], name: str) -> np.ndarray:
@@ -81,12 +83,23 @@ def _bootstrap_quantiles(x: np.ndarray, confidence: float, n_boot: int,
     k, n = x.shape
     rng = np.random.default_rng(seed)
     rows = max(1, _MAX_RESAMPLE_ELEMENTS // n)
-    draws = np.concatenate([rng.integers(0, n, size=(min(rows, n_boot - start), n))
-                            for start in range(0, n_boot, rows)])  # (n_boot, n)
     means = np.empty((k, n_boot), dtype=np.float64)
     block = max(1, _MAX_RESAMPLE_ELEMENTS // (n_boot * n))
-    for start in range(0, k, block):
-        means[start: start + block] = x[start: start + block, draws].mean(axis=2)
+    if k > 1 and block > 1:  # small rows, several at once: one (block, n_boot, n) gather each
+        draws = np.concatenate([rng.integers(0, n, size=(min(rows, n_boot - start), n))
+                                for start in range(0, n_boot, rows)])  # (n_boot, n)
+        for start in range(0, k, block):
+            means[start: start + block] = x[start: start + block, draws].mean(axis=2)
+    else:
+        # each row alone: the resampled means of each chunk of draws as it is drawn (the same
+        # draws, and the same sums, as gathering the whole (n_boot, n) matrix at once)
+        step = max(1, _GATHER_ELEMENTS // n)  # resampled rows gathered at once (in cache)
+        for start in range(0, n_boot, rows):
+            draws = rng.integers(0, n, size=(min(rows, n_boot - start), n))
+            for i in range(k):
+                for sub in range(0, len(draws), step):
+                    part = draws[sub: sub + step]
+                    means[i, start + sub: start + sub + len(part)] = x[i, part].mean(axis=1)
     alpha = 1.0 - confidence
     low, high = np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0], axis=1)
     return low, high
@@ -129,21 +142,44 @@ def summarize_kl(
     if not nonempty:
         raise ValueError("summarize_kl needs at least one sample with at least one token")
     pooled = np.concatenate(nonempty)
-    if not np.isfinite(pooled).all():
+    return summarize_pooled_kl(pooled, np.array([a.mean() for a in nonempty]),
+                               len(arrays) - len(nonempty), confidence, seed, n_boot)
+
+
+def summarize_pooled_kl(
+    pooled: np.ndarray,
+    sample_means: np.ndarray,
+    n_empty_samples: int = 0,
+    confidence: float = 0.95,
+    seed: int = 0,
+    n_boot: int = 2000,
+) -> dict[str, float | int]:
+    """``summarize_kl`` from what it computes first: ``pooled``, shape ``(n_tokens,)``, every
+    nonempty sample's per-token values concatenated in sample order (nats), and
+    ``sample_means``, shape ``(n_samples,)``, each such sample's ``mean()``; ``n_empty_samples``
+    samples had no token. The same result as ``summarize_kl`` of those samples. Reorders
+    ``pooled`` in place (the percentiles partition it).
+    """
+    if not pooled.size:
+        raise ValueError("summarize_kl needs at least one sample with at least one token")
+    # a sum is NaN or inf exactly when some value is NaN or inf (the values are >= 0 or mixed,
+    # either way non-finite propagates): one pass instead of an isfinite array
+    if not np.isfinite(pooled.sum()) and not np.isfinite(pooled).all():
         raise ValueError("per_sample_token_kl contains NaN or inf")
-    sample_means = np.array([a.mean() for a in nonempty])
-    mean, low, high = bootstrap_mean_ci(sample_means, confidence=confidence, n_boot=n_boot, seed=seed)
+    mean, low, high = bootstrap_mean_ci(sample_means, confidence=confidence, n_boot=n_boot,
+                                        seed=seed)
     out: dict[str, float | int] = {
         "mean": mean,
         "ci_low": low,
         "ci_high": high,
         "confidence": confidence,
         "token_mean": float(pooled.mean()),
-        "n_samples": len(nonempty),
-        "n_empty_samples": len(arrays) - len(nonempty),
+        "n_samples": int(sample_means.size),
+        "n_empty_samples": n_empty_samples,
         "n_tokens": int(pooled.size),
     }
-    out.update(percentiles(pooled))
+    q = np.percentile(pooled, list(PERCENTILES.values()), overwrite_input=True)
+    out.update({name: float(v) for name, v in zip(PERCENTILES, q, strict=True)})
     return out
 
 

@@ -7,15 +7,19 @@ env (``evalsvc.builds.sglang_env``) holds that release from PyPI on CPU torch, a
 evalsvc sends. The control plane never imports sglang.
 
 The first run builds the envs (minutes, about 2.5 GB each, see ``sglang_env``); later runs reuse
-them. With ``CI`` set an env that cannot be built fails the tests; elsewhere, when the package index
-cannot be reached, they are skipped with the reason.
+them, and the checker's result while nothing it follows from changed (``check_key``). With ``CI``
+set an env that cannot be built fails the tests; elsewhere, when the package index cannot be
+reached, they are skipped with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import json
 import os
+import platform
 import re
 import subprocess
 from pathlib import Path
@@ -93,8 +97,40 @@ def release_python(version: str) -> Path:
         pytest.fail(str(exc), pytrace=False)
 
 
+def check_key(python: Path, job: dict[str, Any]) -> str:
+    """Everything a checker run's result follows from: the checker's source, the job, the
+    release's env (its marker: recipe fingerprint, installed packages, build time), the model
+    files the job names, and the machine (SGLang derives defaults from its memory and CPUs)."""
+    h = hashlib.sha256(CHECKER.read_bytes())
+    h.update(json.dumps(job, sort_keys=True).encode())
+    h.update((python.parent.parent / sglang_env.MARKER).read_bytes())
+    for path in sorted(Path(job["model_path"]).rglob("*")):
+        if path.is_file():
+            h.update(str(path.relative_to(job["model_path"])).encode() + path.read_bytes())
+    h.update(json.dumps([platform.machine(), platform.processor(), os.cpu_count(),
+                         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]).encode())
+    return h.hexdigest()[:32]
+
+
 def run_checker(python: Path, version: str, job: dict[str, Any]) -> dict[str, Any]:
-    """``evalsvc/builds/sglang_check.py`` under the release's python, on one job."""
+    """``evalsvc/builds/sglang_check.py`` under the release's python, on one job; its result is
+    kept beside the envs under the hash of everything it follows from (``check_key``), and read
+    back while that is unchanged (``EVALSVC_SGLANG_CHECK_CACHE=0``: run it every time)."""
+    cache = sglang_env.env_root() / ".checks" / f"{version}-{check_key(python, job)}.json"
+    use_cache = os.environ.get("EVALSVC_SGLANG_CHECK_CACHE", "1") != "0"
+    if use_cache and cache.is_file():
+        with contextlib.suppress(ValueError):
+            return json.loads(cache.read_text())
+    result = _run_checker(python, version, job)
+    if use_cache:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(cache)  # whole or not at all
+    return result
+
+
+def _run_checker(python: Path, version: str, job: dict[str, Any]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     try:
         done = subprocess.run([str(python), str(CHECKER)], input=json.dumps(job),
@@ -276,3 +312,25 @@ def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_version_must_be_a_release() -> None:
     with pytest.raises(sglang_env.SGLangEnvError, match="check version"):
         sglang_env.ensure_sglang_env("latest")
+
+
+def test_checker_result_read_back_while_nothing_changed(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sglang_env.ENV_DIR_VARIABLE, str(tmp_path / "envs"))
+    env = tmp_path / "envs" / "9.9.9"
+    (env / "bin").mkdir(parents=True)
+    python = env / "bin" / "python"
+    runs = tmp_path / "runs"
+    python.write_text(f'#!/bin/sh\necho run >> {runs}\necho \'{{"sglang_version": "9.9.9"}}\'\n')
+    python.chmod(0o755)
+    (env / sglang_env.MARKER).write_text('{"fingerprint": "a"}')
+    job = {"model_path": str(MODEL_DIR), "commands": [{"id": "x", "argv": ["--port", "1"]}]}
+    assert run_checker(python, "9.9.9", job) == {"sglang_version": "9.9.9"}
+    assert run_checker(python, "9.9.9", job) == {"sglang_version": "9.9.9"}
+    assert runs.read_text().count("run") == 1
+    run_checker(python, "9.9.9", {**job, "commands": []})  # another job
+    (env / sglang_env.MARKER).write_text('{"fingerprint": "b"}')  # the env rebuilt
+    run_checker(python, "9.9.9", job)
+    monkeypatch.setenv("EVALSVC_SGLANG_CHECK_CACHE", "0")
+    run_checker(python, "9.9.9", job)
+    assert runs.read_text().count("run") == 4
