@@ -107,7 +107,10 @@ def test_completion_stream_adds_up_to_the_answer(client: httpx.Client):
         assert "".join(c["text"] for c in mine) == whole["choices"][i]["text"]
         assert [v for c in mine for v in c["logprobs"]["token_logprobs"]] \
             == whole["choices"][i]["logprobs"]["token_logprobs"]
-        assert [c["finish_reason"] for c in mine] == [None] * 5 + ["length"]
+        # one chunk a step, but steps that finish before the stream is written are sent together
+        # (SGLang's tokenizer manager coalesces a request's queued outputs the same way)
+        assert 1 <= len(mine) <= 6
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
 
 
 @pytest.mark.slow
