@@ -43,6 +43,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+from rich.progress import Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -174,17 +175,23 @@ def bare(fn: Callable, url: str, requests: list[dict]) -> None:
 
 # ---- measuring ------------------------------------------------------------------------------------
 
-def measure(sides: dict[str, Callable[[], None]], n: int, repeats: int) -> dict[str, Any]:
+def measure(sides: dict[str, Callable[[], None]], n: int, repeats: int,
+            where: str) -> dict[str, Any]:
     """Requests per second of each side, once per repeat in turn (the order rotated)."""
     rates: dict[str, list[float]] = {k: [] for k in sides}
     names = list(sides)
-    for name in names:  # warm-up: connections, imports, the engine's first batches
-        sides[name]()
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
+    with Progress(transient=False) as progress:
+        task = progress.add_task(f"{where}: warm-up", total=len(names) * (repeats + 1))
+        for name in names:  # warm-up: connections, imports, the engine's first batches
             sides[name]()
-            rates[name].append(n / (time.perf_counter() - t0))
+            progress.advance(task)
+        for r in range(repeats):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                progress.update(task, description=f"{where}: repeat {r + 1}/{repeats}, {name}")
+                t0 = time.perf_counter()
+                sides[name]()
+                rates[name].append(n / (time.perf_counter() - t0))
+                progress.advance(task)
     return {k: {"min": min(v), "median": statistics.median(v), "all": v} for k, v in rates.items()}
 
 
@@ -203,7 +210,7 @@ def against_stand_in(n: int, max_new_tokens: int, repeats: int) -> dict[str, Any
             "threads-16": lambda: threads(url, reqs),
             "aiohttp": lambda: bare(_aiohttp, url, reqs),
             "httpx-async": lambda: bare(_httpx, url, reqs),
-        }, n, repeats)
+        }, n, repeats, "stand-in")
     finally:
         proc.kill()
         proc.wait()
@@ -227,7 +234,7 @@ def against_engine(n: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
             "harness-16": lambda: harness(url, reqs, 16),
             "threads-16": lambda: threads(url, reqs),
             "aiohttp": lambda: bare(_aiohttp, url, reqs),
-        }, n, repeats)
+        }, n, repeats, "engine")
     finally:
         proc.stop()
     return {"requests": n, "config": ENGINE_CONFIG, "rates": rates,
