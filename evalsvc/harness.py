@@ -31,17 +31,10 @@ from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
-from evalsvc.types import RunResult, ScenarioResult, TopLogprobs
+from evalsvc.types import RunResult, ScenarioResult, TopLogprobs, worst
 
 log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
-
-
-ORDER = ["pass", "inconclusive", "fail", "invalid", "error", "cancelled"]
-
-
-def worst(verdicts: list[str]) -> str:
-    return max(verdicts, key=ORDER.index) if verdicts else "pass"
 
 
 class RunControl:
@@ -315,10 +308,9 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
     if control is not None and control.cancelled:
         result.verdict, result.reason = "cancelled", "the job was cancelled"
         return
-    result.verdict = worst([s.verdict for s in result.scenarios])
-    if result.verdict != "pass":  # the first scenario that decided it, named
-        s = next(s for s in result.scenarios if s.verdict == result.verdict)
-        result.reason = f"{s.scenario}: {s.reason}"
+    result.verdict, reason = worst((s.scenario, s.verdict, s.reason) for s in result.scenarios)
+    if reason is not None:  # the first scenario that decided it, named
+        result.reason = reason
 
 
 def exit_reason(proc: EngineProcess) -> str:

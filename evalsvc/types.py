@@ -1,14 +1,56 @@
-"""Plain data shared by every layer: what one engine response and one evaluated sample look like.
+"""Plain data shared by every layer: what one engine response and one evaluated sample look like,
+the verdicts a run and its scenarios take, and the statuses of a job.
 
 No behaviour beyond small derived properties; logprobs are natural-log, aligned by token position.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-VERDICTS = ("pass", "fail", "inconclusive", "invalid", "error")
+
+class Verdict(StrEnum):
+    """A run's or a scenario's verdict, from best to worst (the order ``worst`` takes): the
+    values are the strings stored and served."""
+
+    PASS = "pass"
+    INCONCLUSIVE = "inconclusive"  # the scenario did not exercise what it measures
+    FAIL = "fail"
+    INVALID = "invalid"  # the engine did not run what was asked
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+VERDICT_ORDER = tuple(Verdict)  # best first
+
+
+def worst(scenarios: Iterable[tuple[str, str, str | None]]) -> tuple[Verdict, str | None]:
+    """The worst verdict of ``(name, verdict, reason)`` triples (pass for none) and, when it is
+    not a pass, its reason: ``"NAME: REASON"`` of the first that has it; None for a pass."""
+    items = list(scenarios)
+    if not items:
+        return Verdict.PASS, None
+    verdict = max((Verdict(v) for _, v, _ in items), key=VERDICT_ORDER.index)
+    if verdict == Verdict.PASS:
+        return verdict, None
+    name, _, reason = next(s for s in items if s[1] == verdict)
+    return verdict, f"{name}: {reason}"
+
+
+class JobStatus(StrEnum):
+    """A job's status: the values are the strings stored and served."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED_JOB_STATUSES = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
 @dataclass

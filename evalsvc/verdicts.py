@@ -47,7 +47,6 @@ import numpy as np
 from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
-from evalsvc.harness import worst
 from evalsvc.matrix import SCENARIOS
 from evalsvc.metrics.stats import change_point, paired_shift
 from evalsvc.store.models import (
@@ -61,6 +60,7 @@ from evalsvc.store.models import (
     utcnow,
 )
 from evalsvc.thresholds import HistorySettings, Limits, ThresholdsFile, limits_for, load_thresholds
+from evalsvc.types import worst
 
 log = logging.getLogger("evalsvc.verdicts")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -409,21 +409,21 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
             add(j)
             if j.verdict == "regression" and scen_row.verdict == "pass":
                 scen_row.verdict, scen_row.reason = "fail", j.reason
-    reasons = {s.scenario: (s.verdict, s.reason) for s in run.scenarios}
+    reasons = [(s.scenario, s.verdict, s.reason) for s in run.scenarios]
+    pooled = None
     for metric in METRICS:
         j = judge_pooled(session, run, candidates, metric, samples, thresholds)
         if j is not None:
             add(j)
-            if j.verdict == "regression":
-                reasons.setdefault(POOLED, ("fail", f"{', '.join(j.evidence['scenarios'])} "
-                                                    f"together: {j.reason}"))
-    verdicts = [v for v, _ in reasons.values()]
-    if verdicts and run.verdict not in ("invalid", "cancelled"):
-        run.verdict = worst(verdicts)
-        if run.verdict != "pass":
-            scenario, (_, reason) = next((k, r) for k, r in reasons.items()
-                                         if r[0] == run.verdict)
-            run.reason = f"{scenario}: {reason}"
+            if j.verdict == "regression" and pooled is None:
+                pooled = (POOLED, "fail", f"{', '.join(j.evidence['scenarios'])} together: "
+                                          f"{j.reason}")
+    if pooled is not None:
+        reasons.append(pooled)
+    if reasons and run.verdict not in ("invalid", "cancelled"):
+        run.verdict, reason = worst(reasons)
+        if reason is not None:
+            run.reason = reason
     session.flush()
     return out
 
