@@ -31,10 +31,11 @@ from evalsvc.store import audit
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, Verdict, utcnow
+from evalsvc.types import FINISHED_JOB_STATUSES
 from evalsvc.verdicts import METRICS, POOLED
 
 log = logging.getLogger("evalsvc.bisect")
-FINISHED = ("done", "failed", "cancelled")
+FINISHED = FINISHED_JOB_STATUSES
 
 
 class BisectCreate(BaseModel):

@@ -364,6 +364,7 @@ def nightly(
     from evalsvc.settings import Settings
     from evalsvc.store.db import Store
     from evalsvc.store.models import Job
+    from evalsvc.types import FINISHED_JOB_STATUSES
 
     if not once:
         typer.echo("error: use --once (the service runs the schedules on their crons)", err=True)
@@ -400,7 +401,7 @@ def nightly(
             while True:
                 with store.session() as sess:
                     states = {j: sess.get(Job, j).status for j in submitted}
-                if all(v in ("done", "failed", "cancelled") for v in states.values()):
+                if all(v in FINISHED_JOB_STATUSES for v in states.values()):
                     break
                 time.sleep(1)
             for j, v in states.items():

@@ -33,6 +33,7 @@ from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_n
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Build, Commit, Regression, Run, Sample
 from evalsvc.thresholds import limits_for
+from evalsvc.types import FINISHED_JOB_STATUSES
 from evalsvc.verdicts import compare_builds
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
@@ -44,7 +45,7 @@ TREND_METRICS = ("kl_k3_mean", "extend_kl_k3_mean", "kl_k1_mean", "kl_k2_mean", 
                  "kl_k3_max", "topk_kl_mean", "same_top_rate", "hit_coverage", "accept_length")
 LOG_METRICS = {"kl_k3_mean", "extend_kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99",
                "kl_k3_max", "topk_kl_mean"}
-FINISHED = ("done", "failed", "cancelled")
+FINISHED = FINISHED_JOB_STATUSES
 LOG_TAIL_BYTES = 8_000
 PAGE_SIZE = 100
 # compare verdicts, worst first: the order of the compare page
