@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsvc import metrics
+from evalsvc import judging, metrics
 from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
@@ -443,35 +443,10 @@ def collections_held():
 
 
 def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile) -> tuple[str, str]:
-    """pass / fail / inconclusive for one scenario against the fixed limits of
-    ``configs/thresholds.yaml`` (``verdicts.judge_metric`` without history); the history test runs
-    where the store is (``evalsvc.verdicts.judge_run``)."""
-    from evalsvc.thresholds import HistorySettings
-    from evalsvc.verdicts import METRICS, Series, judge_metric
-
-    lim = scenario_limits(config, matrix, name)
-    cov = m["hit_coverage"]
-    if cov < lim.min_hit_coverage or (lim.min_hit_coverage > 0 and cov == 0):
-        return "inconclusive", (f"hit coverage {cov:.2f} below {lim.min_hit_coverage:.2f}: the "
-                                "cache path was not exercised")
-    if (name == "speculative" and config.uses_mtp and lim.accept_length.min is not None
-            and m.get("accept_length") is None):
-        return "fail", "no speculative counters in the responses"
-    for metric in METRICS:
-        j = judge_metric(name, metric, m.get(metric), {}, lim, Series(), HistorySettings(),
-                         exact_fraction=m.get("bit_exact_fraction"))
-        if j is not None and j.verdict == "regression":
-            return "fail", j.reason
-    return "pass", ""
-
-
-def scenario_limits(config: Config, matrix: MatrixFile, scenario: str):
-    from evalsvc.thresholds import limits_for
-
-    return limits_for(matrix=matrix.name, engine=matrix.engine, config=config.name,
-                      model=config.model, settings=config.settings, scenario=scenario,
-                      matrix_thresholds=matrix.thresholds.model_dump(exclude_none=True),
-                      accept_floor=config.accept_floor)
+    """pass / fail / inconclusive for one scenario against its fixed limits
+    (``judging.judge_scenario``)."""
+    return judging.judge_scenario(name, m, judging.scenario_limits(config, matrix, name),
+                                  uses_mtp=config.uses_mtp)
 
 
 def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,

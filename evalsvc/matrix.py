@@ -326,6 +326,14 @@ class MatrixFile(Strict):
                 raise ValueError(f"{where}: {shown(value)} is not a plain value (letters, digits, "
                                  "'.', '_', '+', '-', at most 64, not starting with '-')")
 
+    def accept_floor(self, model: str, settings: dict[str, Any]) -> float | None:
+        """The minimum accept length of a config of ``model`` with axis values ``settings``: the
+        model's floor for the matrix's MTP draft steps, for an MTP config; None otherwise."""
+        entry = self.models.get(model)
+        if entry is None or not settings.get("mtp"):
+            return None
+        return entry.accept_floor.get(self.mtp.num_steps)
+
     def cross_product(self) -> int:
         """How many combinations the axes make before any is excluded (0 without axes)."""
         if not self.axes:
@@ -497,10 +505,9 @@ def make_config(matrix: MatrixFile, point: dict[str, Any], hardware: str = "cpu"
     if matrix.engine_env:  # what the engine's environment switches on is part of what it is
         identity["engine_env"] = dict(sorted(matrix.engine_env.items()))
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
-    floor = model.accept_floor.get(matrix.mtp.num_steps) if settings["mtp"] else None
     return Config(name=config_name(settings), matrix=matrix.name, model=settings["model"],
                   settings=settings, args=args, fingerprint=fingerprint.hexdigest()[:16],
-                  scenarios=scenarios, accept_floor=floor)
+                  scenarios=scenarios, accept_floor=matrix.accept_floor(settings["model"], settings))
 
 
 def applies(scenario: str, settings: dict[str, Any]) -> bool:
