@@ -31,7 +31,7 @@ from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
-from evalsvc.types import RunResult, ScenarioResult, TopLogprobs, worst
+from evalsvc.types import RunResult, SampleRow, ScenarioResult, TopLogprobs, worst
 
 log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
@@ -376,7 +376,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
                 metrics.topk_kl_and_same_top(s.completion.top.positions,
                                              s.reference_top.positions)
         raise
-    rows = []
+    rows: list[SampleRow] = []
     topk_vals, same_top = [], []
     per_sample = zip(kl.lengths.tolist(), kl.k1_mean.tolist(), kl.k2_mean.tolist(),
                      kl.k3_mean.tolist(), kl.k3_max.tolist(), kl.first_above.tolist(),
@@ -451,7 +451,7 @@ def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile) -> 
 
 def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,
                k3_max: float, first_divergence: int, n_extend: int, extend_mean: float,
-               extend_max: float, top_arrays: tuple[Any, Any] = (None, None)) -> dict[str, Any]:
+               extend_max: float, top_arrays: tuple[Any, Any] = (None, None)) -> SampleRow:
     """One sample's row: its ``n`` generated tokens' mean k1/k2/k3 and max k3 (nats), the index of
     the first whose logprobs differ by more than DIVERGENCE_TOL (-1: none), the same of its
     ``n_extend`` extend tokens, and both sides' logprobs and the output ids: the sample's own

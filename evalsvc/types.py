@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 
 class Verdict(StrEnum):
@@ -95,6 +95,58 @@ class Completion:
     host_cached_tokens: int = 0
 
 
+class SampleScalars(TypedDict):
+    """One sample's scalars, the columns of its row in the store (``Sample``): token counts, the
+    means and maxima over its generated tokens of the KL estimators (nats), the index of the first
+    token whose logprobs differ from the reference's (None: none), the same of the extend (the
+    prompt tokens prefilled on a cached prefix, against a cold prefill; None without any)."""
+
+    prompt_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    host_cached_tokens: int
+    completion_tokens: int
+    hit: bool
+    kl_k1_mean: float
+    kl_k2_mean: float
+    kl_k3_mean: float
+    kl_k3_max: float
+    topk_kl_mean: NotRequired[float]  # with both sides' top-k lists
+    same_top_rate: NotRequired[float]
+    first_divergence: int | None
+    accept_length: float | None  # completion tokens per verify step (speculative decoding)
+    extend_tokens: int
+    extend_kl_k3_mean: float | None
+    extend_kl_k3_max: float | None
+
+
+class SampleTokens(TypedDict):
+    """One sample's per-token lists, kept in the run's Parquet file: the output ids, both sides'
+    logprobs (natural log, aligned by position), and per position both sides' top-k ids and
+    logprobs (None without them)."""
+
+    output_ids: list[int]
+    decode_logprobs: list[float]
+    reference_logprobs: list[float]
+    decode_top_ids: list[list[int]] | None
+    decode_top_logprobs: list[list[float | None]] | None
+    reference_top_ids: list[list[int]] | None
+    reference_top_logprobs: list[list[float | None]] | None
+    extend_logprobs: list[float]
+    extend_reference_logprobs: list[float]
+
+
+class SampleRow(SampleScalars, SampleTokens):
+    """One evaluated sample, as ``harness.score`` makes it."""
+
+    sample_id: str
+
+
+# the keys of each part, in the order the store and the Parquet file take them
+SAMPLE_FIELDS = tuple(SampleScalars.__annotations__)
+TOKEN_FIELDS = tuple(SampleTokens.__annotations__)
+
+
 @dataclass
 class ScenarioResult:
     """One scenario of one run: its verdict, scalar metrics and a row per sample."""
@@ -103,7 +155,7 @@ class ScenarioResult:
     verdict: str
     reason: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)
     seconds: float = 0.0
 
 
