@@ -140,6 +140,9 @@ def value_problem(axis: str, value: Any, models: dict[str, Any]) -> str | None:
 
 
 class Strict(BaseModel):
+    """The base of every experiment input read from YAML (matrices, thresholds): an unknown key
+    is refused, and so is an infinite or NaN number."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from evalsvc.matrix import AXES, CONFIGS_DIR, DEFAULTS, SCENARIOS
+from evalsvc.matrix import AXES, CONFIGS_DIR, DEFAULTS, SCENARIOS, Strict
 
 THRESHOLDS_FILE = CONFIGS_DIR / "thresholds.yaml"
 MATCH_KEYS = {"matrix", "engine", "config", "model", "scenario"} | (set(AXES) - {"model"})
@@ -40,10 +40,6 @@ MATCH_KEYS = {"matrix", "engine", "config", "model", "scenario"} | (set(AXES) - 
 
 class ThresholdError(ValueError):
     """A thresholds file that cannot be used; the message names the file and the key."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class MetricLimits(Strict):
