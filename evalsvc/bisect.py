@@ -17,14 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from evalsvc.builds.build import BuildError, git, git_mirror
-from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService
+from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService, mint_id
 from evalsvc.logs import log_context
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix
 from evalsvc.store import audit
@@ -74,7 +73,7 @@ class Bisector:
         whose repositories need not be on the allowed list. ``actor``: the person starting it (an
         audit event, stored with the bisection)."""
         spec = self.normalize(body, trusted=trusted)
-        bisect_id = f"bisect-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        bisect_id = mint_id("bisect")
         with self.store.session() as s:
             s.add(Bisection(id=bisect_id, repository=spec["repository"], good=spec["good"],
                             bad=spec["bad"], matrix=spec["matrix"], config=spec["config"],

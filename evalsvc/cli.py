@@ -95,12 +95,12 @@ def run(
     import json
     import logging
     import time
-    import uuid
 
     from rich.console import Console
 
     from evalsvc.engines.base import EngineSpec
     from evalsvc.evaluate import dry_run_commands, evaluate, prepare, results_table
+    from evalsvc.jobs import UnknownConfigs, mint_id
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.workloads import WorkloadError
@@ -142,22 +142,19 @@ def run(
         sglang_version = installed_version(engine_python or sys.executable)
     spec = EngineSpec(kind=kind, python=engine_python, version=sglang_version, env=env)
     try:
-        cfgs, prompts = prepare(mat, spec, model)
+        cfgs, prompts = prepare(mat, spec, model, configs)
+    except UnknownConfigs as exc:
+        console.print(f"[red]error:[/] --config {', '.join(exc.unknown)}: not in matrix "
+                      f"{mat.name} ({', '.join(exc.known)})")
+        raise typer.Exit(2) from None
     except (WorkloadError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    if configs:
-        unknown = sorted(set(configs) - {c.name for c in cfgs})
-        if unknown:
-            console.print(f"[red]error:[/] --config {', '.join(unknown)}: not in matrix "
-                          f"{mat.name} ({', '.join(c.name for c in cfgs)})")
-            raise typer.Exit(2)
-        cfgs = [c for c in cfgs if c.name in configs]
     if dry_run:
         for argv in dry_run_commands(cfgs, spec):
             print(json.dumps(argv))
         return
-    job_id = f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    job_id = mint_id("cli", digits=6)
     out = out or Path("out") / job_id
     build_info = build_ref(kind, sglang_version, repository, commit, commit_time, branch,
                            inject_defect or [], build)

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import BaseModel, ConfigDict, TypeAdapter
+
 from evalsvc.builds.build import BuildError, installed_version, make_build
 from evalsvc.engines.base import EngineSpec
 from evalsvc.harness import RunControl, run_config, run_timeout
@@ -98,14 +100,43 @@ def prepare_build(source: str | None, patches: list[str], python: str | None) ->
     return {"manifest": make_build(source, patches, base_python=python).manifest}
 
 
+class InstalledBuild(BaseModel):
+    """``prepare_build``'s answer without a source: the SGLang installed in the engine's python."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str
+
+    def request(self) -> dict[str, Any]:
+        return {"source": None, "version": self.version}
+
+
+class MadeBuild(BaseModel):
+    """``prepare_build``'s answer for a source: the build made (its manifest, ``builds.build``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    manifest: dict[str, Any]
+
+    def request(self) -> dict[str, Any]:
+        m = self.manifest
+        source = f"git:{m['location']}@{m['commit']}" if m["kind"] == "git" else m["source"]
+        return {"source": source, "patches": list(m["patches"]),
+                "package_hash": m["package_hash"]}
+
+
+BUILD_INFO: TypeAdapter[InstalledBuild | MadeBuild] = TypeAdapter(InstalledBuild | MadeBuild)
+
+
+def build_info(info: dict[str, Any]) -> InstalledBuild | MadeBuild:
+    """``prepare_build``'s answer (plain data, as it travels from another machine), typed."""
+    return BUILD_INFO.validate_python(info)
+
+
 def build_request(info: dict[str, Any]) -> dict[str, Any]:
     """What each run of a prepared build carries (``prepare_build``'s answer -> a build request):
     the same code wherever the run goes, a git source pinned to its commit."""
-    if "version" in info:
-        return {"source": None, "version": info["version"]}
-    m = info["manifest"]
-    source = f"git:{m['location']}@{m['commit']}" if m["kind"] == "git" else m["source"]
-    return {"source": source, "patches": list(m["patches"]), "package_hash": m["package_hash"]}
+    return build_info(info).request()
 
 
 def engine_for(spec: EngineSpec, build: dict[str, Any]) -> EngineSpec:

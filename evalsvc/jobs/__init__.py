@@ -1,15 +1,18 @@
-"""Jobs: where the store and the dispatcher meet (``service``)."""
+"""Jobs: a job's contract (``spec``), what it runs (``plan``) and the service that queues and runs
+it (``service``)."""
 
-from evalsvc.jobs.service import (
-    ACTIVE,
+from evalsvc.jobs.plan import UnknownConfigs, plan_runs
+from evalsvc.jobs.service import JobService, describe, kill_engine_group
+from evalsvc.jobs.spec import (
     BuildSpec,
     JobCreate,
     JobError,
-    JobService,
+    JobSpec,
     check_storable,
-    describe,
-    kill_engine_group,
+    mint_id,
+    validate_job,
 )
 
-__all__ = ["ACTIVE", "BuildSpec", "JobCreate", "JobError", "JobService", "check_storable",
-           "describe", "kill_engine_group"]
+__all__ = ["BuildSpec", "JobCreate", "JobError", "JobService", "JobSpec", "UnknownConfigs",
+           "check_storable", "describe", "kill_engine_group", "mint_id", "plan_runs",
+           "validate_job"]
