@@ -4,9 +4,10 @@ The candidates are the first-parent commits after ``good`` up to ``bad``. Each s
 config, only, on one commit (a job with trigger ``bisect``, run like any other), or reuses a
 finished run of that config on that commit if the store has one; the commit is bad when the
 scenario failed (a fixed limit or a history regression) or, with ``metric``, when that metric's
-verdict is a regression. Binary search needs at most ceil(log2(n)) runs for n candidates, plus one
-if the bad end has not been evaluated yet. A step whose run cannot decide (engine error, too few
-cache hits) stops the bisection with that reason.
+verdict is a regression. The search (``first_bad``, pure) needs at most ceil(log2(n)) runs for n
+candidates, plus one if the bad end has not been evaluated yet; a step waits for its job by being
+woken when the job service ends a job (``JobService.wait_end``). A step whose run cannot decide
+(engine error, too few cache hits) stops the bisection with that reason.
 
 Bisections live in the store: the steps are written as they finish, and a service restarted in
 the middle resumes them (finished steps are reused, not run again).
@@ -15,9 +16,11 @@ the middle resumes them (finished steps are reused, not run again).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
@@ -33,7 +36,9 @@ from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run,
 from evalsvc.verdicts import METRICS, POOLED
 
 log = logging.getLogger("evalsvc.bisect")
+T = TypeVar("T")
 FINISHED = ("done", "failed", "cancelled")
+SETTLE = 30.0  # seconds: a step's job is looked at this often even when no end was signalled
 
 
 class BisectCreate(BaseModel):
@@ -59,7 +64,8 @@ class BisectCreate(BaseModel):
 
 
 class Bisector:
-    """Runs bisections in threads of their own, each step a job of the job service."""
+    """Runs bisections in threads of their own, each step a job of the job service. ``poll``: how
+    often (seconds) a step waiting for its job looks at the bisector's stop."""
 
     def __init__(self, store: Store, jobs: JobService, poll: float = 1.0) -> None:
         self.store, self.jobs, self.poll = store, jobs, poll
@@ -204,17 +210,11 @@ class Bisector:
 
     def _search(self, bisect_id: str, spec: dict[str, Any], candidates: list[str],
                 on_step) -> str:
-        lo, hi = -1, len(candidates) - 1  # candidates[lo] good (-1: the good commit), [hi] bad
-        if not self._step(bisect_id, spec, candidates[hi], on_step):
-            raise BisectError(f"the bad commit {candidates[hi][:12]} passes {spec['config']} / "
+        found = first_bad(candidates, lambda sha: self._step(bisect_id, spec, sha, on_step))
+        if found is None:
+            raise BisectError(f"the bad commit {candidates[-1][:12]} passes {spec['config']} / "
                               f"{spec['scenario']}: nothing to bisect")
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self._step(bisect_id, spec, candidates[mid], on_step):
-                hi = mid
-            else:
-                lo = mid
-        return candidates[hi]
+        return found
 
     def _step(self, bisect_id: str, spec: dict[str, Any], sha: str, on_step) -> bool:
         """Evaluate one commit (or reuse its stored run): True when it is bad."""
@@ -266,18 +266,25 @@ class Bisector:
                 .order_by(Run.finished_at.desc()).limit(1)).first()
 
     def _wait(self, job_id: str, sha: str) -> int:
+        """The run of a step's job, once the job finished. The store is read when the job service
+        ended a job (``JobService.wait_end``), and every SETTLE seconds besides (an end written
+        elsewhere); the bisector's stop is looked at every ``poll`` seconds."""
+        looked_at, looked = None, -math.inf
         while True:
             if self._stop.is_set():
                 raise _Stopped
-            with self.store.session() as s:
-                job = s.get(Job, job_id)
-                if job.status in FINISHED:
-                    run = s.scalars(select(Run).where(Run.job_id == job_id)).first()
-                    if job.status != "done" or run is None or run.status != "done":
-                        raise BisectError(f"commit {sha[:12]}: job {job_id} {job.status}"
-                                          + (f": {job.error}" if job.error else ""))
-                    return run.id
-            time.sleep(self.poll)
+            ends = self.jobs.ends()  # before the read: an end after it wakes the wait below
+            if ends != looked_at or time.monotonic() - looked >= SETTLE:
+                looked_at, looked = ends, time.monotonic()
+                with self.store.session() as s:
+                    job = s.get(Job, job_id)
+                    if job.status in FINISHED:
+                        run = s.scalars(select(Run).where(Run.job_id == job_id)).first()
+                        if job.status != "done" or run is None or run.status != "done":
+                            raise BisectError(f"commit {sha[:12]}: job {job_id} {job.status}"
+                                              + (f": {job.error}" if job.error else ""))
+                        return run.id
+            self.jobs.wait_end(ends, timeout=self.poll)
 
     def _judge(self, spec: dict[str, Any], run_id: int, sha: str) -> tuple[bool, str, str]:
         with self.store.session() as s:
@@ -318,6 +325,25 @@ class BisectError(RuntimeError):
 
 class _Stopped(Exception):
     pass
+
+
+def first_bad(candidates: Sequence[T], is_bad: Callable[[T], bool]) -> T | None:
+    """The first bad candidate, by binary search (as asv's ``find`` bisects): ``candidates`` in
+    order, the one before the first known good, and every one after a bad one bad too. The last
+    is asked first: None when it is good (nothing to bisect). Asks at most ceil(log2(n)) + 1
+    times for n candidates, never about one twice."""
+    if not candidates:
+        return None
+    lo, hi = -1, len(candidates) - 1  # candidates[lo] good (-1: the one before), [hi] bad
+    if not is_bad(candidates[hi]):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if is_bad(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return candidates[hi]
 
 
 def _resolve(mirror, ref: str, what: str) -> str:

@@ -205,15 +205,9 @@ def build_ref(kind: str, version: str | None, repository: str | None, commit: st
                         version=None if commit else __version__, committed_at=when, branch=branch,
                         patches=[f"defect:{d}" for d in defects])
     if build is not None:
-        m = build.manifest
-        probes = {p["fix"]: p["status"] for p in m["probes_after"]}
-        return BuildRef(repository=repository or (m["location"] if m["kind"] != "pypi"
-                                                  else "sgl-project/sglang"),
-                        sha=m.get("commit") or commit,
-                        version=m.get("version") or (None if m.get("commit") or commit
-                                                     else "tree-" + m["package_hash"][:12]),
-                        committed_at=when, branch=branch, patches=m["patches"], probes=probes,
-                        base_env=m.get("base_env"), manifest=m)
+        from evalsvc.jobs.plan import made_build_ref
+
+        return made_build_ref(build.manifest, when, repository, commit, branch)
     return BuildRef(repository=repository or "sgl-project/sglang", sha=commit,
                     version=None if commit else (version or "unknown"), committed_at=when,
                     branch=branch)

@@ -69,15 +69,12 @@ def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpe
                                 description=f"  {_cfg.name}: {scen.scenario} {scen.verdict}")
 
             if cfg.model in bad_models:  # this config fails; the other models' configs still run
-                result = RunResult(cfg.name, cfg.fingerprint, cfg.model, dict(cfg.settings),
-                                   dict(cfg.args), verdict="error", reason=bad_models[cfg.model])
+                result = cfg.unrun("error", bad_models[cfg.model])
             else:
                 try:
                     reference = references.client(cfg.model)
                 except EngineStartError as exc:
-                    result = RunResult(cfg.name, cfg.fingerprint, cfg.model, dict(cfg.settings),
-                                       dict(cfg.args), verdict="error",
-                                       reason=f"reference server did not start: {exc}")
+                    result = cfg.unrun("error", f"reference server did not start: {exc}")
                 else:
                     result = run_config(cfg, matrix, spec, by_model[cfg.model], log_dir=log_dir,
                                         reference=reference, on_scenario=on_scenario,

@@ -49,25 +49,29 @@ class RunTask:
     def make(cls, job_id: str, run_id: int, matrix: MatrixFile, config: Config, spec: EngineSpec,
              prompts: list[tuple[str, list[int]]], log_dir: Path,
              build: dict[str, Any] | None = None,
-             run_timeout_s: float | None = None) -> RunTask:
-        """``run_timeout_s``: the service's default deadline (the matrix's own wins)."""
-        return cls(job_id, run_id, matrix.model_dump(mode="json"), asdict(config), asdict(spec),
+             run_timeout_s: float | None = None,
+             matrix_json: dict[str, Any] | None = None) -> RunTask:
+        """``run_timeout_s``: the service's default deadline (the matrix's own wins);
+        ``matrix_json``: the matrix as plain data already (a stored job's), not made again."""
+        if matrix_json is None:
+            matrix_json = matrix.model_dump(mode="json")
+        return cls(job_id, run_id, matrix_json, asdict(config), asdict(spec),
                    [(pid, list(ids)) for pid, ids in prompts], str(log_dir), build,
                    run_timeout_s=run_timeout(matrix, run_timeout_s))
 
     def outcome(self, verdict: str, reason: str) -> RunResult:
         """The result of a run that did not get to its engine (cancelled, or an error)."""
-        cfg = self.config
-        return RunResult(cfg["name"], cfg["fingerprint"], cfg["model"], cfg["settings"],
-                         cfg["args"], verdict=verdict, reason=reason)
+        return self.as_config().unrun(verdict, reason)
+
+    def as_config(self) -> Config:
+        """The task's config as the harness takes it."""
+        return Config(**{**self.config, "scenarios": tuple(self.config["scenarios"])})
 
 
 def execute(task: RunTask, control: RunControl | None = None) -> RunResult:
     """Run one config (the whole harness: build, engine, scenarios, metrics) from a task."""
     matrix = MatrixFile.model_validate(task.matrix)
-    cfg = dict(task.config)
-    cfg["scenarios"] = tuple(cfg["scenarios"])
-    config = Config(**cfg)
+    config = task.as_config()
     spec = EngineSpec(**task.engine)
     with log_context(job=task.job_id, run=task.run_id):
         if task.build is not None:

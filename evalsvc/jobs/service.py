@@ -1,11 +1,12 @@
-"""Jobs: where the store and the dispatcher meet.
+"""The job service: where the store and the dispatcher meet.
 
-A job is validated and persisted when it is submitted (``JobService.submit``), then executed by
-the job runner thread in order of priority, then age: its builds are made, its configs expanded
-into pending runs, the runs dispatched to the engine slots, and each finished run recorded in a
-transaction of its own. Everything lives in the database, so a restarted service resumes what did
-not finish: runs already recorded are never repeated, and engines left behind by a killed service
-(their process groups are remembered on the run) are stopped first.
+A job is validated (``jobs.spec``) and persisted when it is submitted (``JobService.submit``),
+then executed by the job runner thread in order of priority, then age: its builds are made, its
+configs planned (``jobs.plan``) into pending runs, the runs dispatched to the engine slots, and
+each finished run recorded in a transaction of its own. Whoever waits on a job is woken when the
+service writes its end (``wait_end``). Everything lives in the database, so a restarted service
+resumes what did not finish: runs already recorded are never repeated, and engines left behind by
+a killed service (their process groups are remembered on the run) are stopped first.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from evalsvc.alerts import collect, deliver
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
-from evalsvc.jobs.plan import plan_runs
+from evalsvc.jobs.plan import made_build_ref, plan_runs
 from evalsvc.jobs.spec import BuildSpec, JobCreate, JobSpec, mint_id, validate_job
 from evalsvc.logs import log_context
 from evalsvc.paths import inside
@@ -69,6 +70,8 @@ class JobService:
         self._lock = threading.Lock()
         self._store_lock: StoreLock | None = None
         self._failing: str | None = None  # the error the runner is waiting out, if any
+        self._ended = threading.Condition()  # notified when this service wrote a job's end
+        self._ends = 0  # how many it wrote
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, body: JobCreate, trigger: str = "api", extra: dict[str, Any] | None = None,
@@ -108,23 +111,27 @@ class JobService:
         now = utcnow()
         with self._lock:  # the runner finishes a job under this lock (_finish)
             with self.store.session() as s:
-                if s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
-                             .values(status="cancelled", finished_at=now)).rowcount:
+                queued = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
+                                   .values(status="cancelled", finished_at=now)).rowcount
+                if queued:
                     if actor is not None:
                         audit.record(s, actor, "cancel", "job", job_id,
                                      details={"status": "cancelled"})
                     self._count("cancelled")
-                    log.info("job %s cancelled before it started", job_id)
-                    return "cancelled"
-                running = s.execute(
-                    update(Job).where(Job.id == job_id, Job.status == "running",
-                                      Job.trigger != "cli")  # evalsvc run records it: no runner
-                    .values(cancel_requested_at=now)).rowcount
-                if not running:
-                    return s.scalar(select(Job.status).where(Job.id == job_id))
-                if actor is not None:
-                    audit.record(s, actor, "cancel", "job", job_id,
-                                 details={"status": "cancelling"})
+                else:
+                    running = s.execute(
+                        update(Job).where(Job.id == job_id, Job.status == "running",
+                                          Job.trigger != "cli")  # evalsvc run records it
+                        .values(cancel_requested_at=now)).rowcount
+                    if not running:
+                        return s.scalar(select(Job.status).where(Job.id == job_id))
+                    if actor is not None:
+                        audit.record(s, actor, "cancel", "job", job_id,
+                                     details={"status": "cancelling"})
+            if queued:  # its end committed
+                self._ended_one()
+                log.info("job %s cancelled before it started", job_id)
+                return "cancelled"
             self._cancelled.add(job_id)
         if self.dispatcher is not None:
             self.dispatcher.cancel_job(job_id)
@@ -205,6 +212,25 @@ class JobService:
                     continue
                 self._count(job.status)
                 _cancel_pending(s, job.id)
+        self._ended_one()
+
+    # ---- a job's end -----------------------------------------------------------------------
+    def ends(self) -> int:
+        """How many job ends this service wrote (a job done, failed or cancelled)."""
+        with self._ended:
+            return self._ends
+
+    def wait_end(self, seen: int, timeout: float) -> int:
+        """Wait until this service wrote a job's end after the ``seen``-th (``ends()``, taken
+        before looking at the job), at most ``timeout`` seconds; returns ``ends()``."""
+        with self._ended:
+            self._ended.wait_for(lambda: self._ends != seen, timeout)
+            return self._ends
+
+    def _ended_one(self) -> None:
+        with self._ended:
+            self._ends += 1
+            self._ended.notify_all()
 
     def queue_length(self) -> int:
         with self.store.session() as s:
@@ -293,6 +319,7 @@ class JobService:
                         s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
                                   .values(status=status, error=error, finished_at=utcnow()))
                     self._cancelled.discard(job_id)
+                self._ended_one()
                 log.info("job %s %s", job_id, status)
                 return
             except Exception as exc:
@@ -323,7 +350,8 @@ class JobService:
         """Run a job's phases (workload, tokens, builds, plan, runs); the cancel flag is looked at
         between them and in their loops (_Cancelled)."""
         with self.store.session() as s:
-            spec = JobSpec.model_validate(s.get(Job, job_id).spec)
+            stored = s.get(Job, job_id).spec
+        spec = JobSpec.model_validate(stored)  # the matrix made once, and its JSON sent as is
         matrix = spec.matrix
         from evalsvc.workloads import load_prompts, workload_version
 
@@ -353,7 +381,8 @@ class JobService:
                         pending.append((run.id, RunTask.make(
                             job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
                             inside(log_dir, f"build-{build.id}"), build=request,
-                            run_timeout_s=self.settings.run_timeout_s), cfg.name))
+                            run_timeout_s=self.settings.run_timeout_s,
+                            matrix_json=stored["matrix"]), cfg.name))
                 return pending
 
             tasks += self.store.write(planned, f"job {job_id}: its runs planned")
@@ -416,14 +445,8 @@ class JobService:
             return (replace(base, version=info.version),
                     BuildRef("sgl-project/sglang", version=info.version, committed_at=now),
                     info.request())
-        m = info.manifest
-        return replace(base, version=m.get("version")), BuildRef(
-            m["location"] if m["kind"] != "pypi" else "sgl-project/sglang", sha=m.get("commit"),
-            version=m.get("version") or (None if m.get("commit") else
-                                         "tree-" + m["package_hash"][:12]),
-            committed_at=now, patches=m["patches"],
-            probes={p["fix"]: p["status"] for p in m["probes_after"]}, base_env=m.get("base_env"),
-            manifest=m), info.request()
+        return (replace(base, version=info.manifest.get("version")),
+                made_build_ref(info.manifest, committed_at=now), info.request())
 
     def _run_started(self, run_id: int) -> None:
         def started(s) -> None:
