@@ -28,6 +28,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from evalsvc.types import RunResult
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative")
 
@@ -364,6 +366,12 @@ class Config:
     @property
     def uses_mtp(self) -> bool:
         return bool(self.settings.get("mtp"))
+
+    def unrun(self, verdict: str, reason: str = "") -> RunResult:
+        """This config's result when it got no further than its engine (an error, a cancel): what
+        was asked, the verdict and why."""
+        return RunResult(self.name, self.fingerprint, self.model, dict(self.settings),
+                         dict(self.args), verdict=verdict, reason=reason)
 
 
 def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> MatrixFile:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
+
+if TYPE_CHECKING:
+    from evalsvc.engines.base import EngineSpec
+    from evalsvc.matrix import MatrixFile
 
 
 class TokenizerError(ValueError):
@@ -33,3 +38,20 @@ def load_tokenizer(model_path: str, engine: str = "embedded") -> Tokenizer:
 
 def encode(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
+
+
+def tokenized(matrix: MatrixFile, spec: EngineSpec, prompts,
+              errors: dict[str, str] | None = None) -> dict[str, list[tuple[str, list[int]]]]:
+    """Prompts as token ids per model key; with ``errors``, a model whose tokenizer cannot be loaded
+    is recorded there (key -> message) instead of raising."""
+    out = {}
+    for key, entry in matrix.models.items():
+        try:
+            tok = load_tokenizer(entry.path, spec.kind)
+        except TokenizerError as exc:
+            if errors is None:
+                raise
+            errors[key] = str(exc)
+            continue
+        out[key] = [(p.id, encode(tok, p.text)) for p in prompts]
+    return out
