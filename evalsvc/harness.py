@@ -190,8 +190,7 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
     run's deadline (``run_timeout``: engine start-up included)."""
     t0 = time.monotonic()
     spec = spec.with_env(matrix.engine_env)
-    result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
-                       dict(config.args), verdict="error")
+    result = config.unrun("error")  # until it has scored
     log_path = inside(log_dir, f"{config.name}.log") if log_dir else None
     result.log_path = str(log_path) if log_path else None
     proc: EngineProcess | None = None
