@@ -19,11 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from evalsvc.engines.base import EngineSpec, engine_command, launch
+from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
 from evalsvc.harness import EnginePool, run_config
 from evalsvc.matrix import Config, MatrixFile, expand, make_config
 from evalsvc.paths import inside
-from evalsvc.scenarios import EngineClient
 from evalsvc.tokenization import TokenizerError, encode, load_tokenizer
 from evalsvc.types import RunResult
 from evalsvc.workloads import load_prompts, workload_version
