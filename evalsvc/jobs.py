@@ -792,7 +792,7 @@ def _check_model(engine: str, key: str, path: str) -> None:
         raise JobError(f"{where}: {path!r} is not a model (it starts with '-')")
     try:
         if engine == "embedded":
-            from evalsvc.engines.embedded.paths import shipped_model_dir
+            from evalsvc.paths import shipped_model_dir
 
             if shipped_model_dir(path) is None and not (Path(path) / "config.json").is_file():
                 raise JobError(f"{where}: {path!r} is neither a shipped model nor a model "

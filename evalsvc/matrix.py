@@ -28,6 +28,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from evalsvc.paths import shipped_model_dir
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative")
 
@@ -566,8 +568,6 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
 @lru_cache(maxsize=64)
 def model_identity(path: str, engine: str) -> str:
     """Shipped or local model directories: name plus a hash of config and weights; other ids as is."""
-    from evalsvc.engines.embedded.paths import shipped_model_dir
-
     local = shipped_model_dir(path) if engine == "embedded" else None
     directory = local or (Path(path) if Path(path).is_dir() else None)
     if directory is None:

@@ -29,11 +29,11 @@ from rich.console import Console
 
 from evalsvc import harness
 from evalsvc.engines.base import EngineSpec
-from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.engines.launch import EngineProcess
 from evalsvc.evaluate import evaluate, prepare
 from evalsvc.harness import RunResult, run_config
 from evalsvc.matrix import Config, MatrixError, MatrixFile, expand, load_matrix
+from evalsvc.paths import MODELS_DIR
 from tests.processes import assert_gone, marked_processes, wait_no_processes
 
 DATA = Path(__file__).parent / "data"
