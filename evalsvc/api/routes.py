@@ -8,33 +8,19 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 
-from evalsvc.api.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
-from evalsvc.api.middleware import unstorable
 from evalsvc.bisect import BisectCreate
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression, Run
 from evalsvc.verdicts import compare_builds
+from evalsvc.web.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
+from evalsvc.web.params import JobId, RunId, StorableText, TriageUpdate
 
 router = APIRouter(dependencies=[Depends(require_read)])
-JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-RunId = Annotated[int, Path(ge=1, le=2**31 - 1)]
-
-
-def _storable(value: str | None) -> str | None:
-    """Text both SQLite and PostgreSQL store (query and path parameters are checked by the
-    middleware before any route runs; body texts here)."""
-    why = unstorable(value) if value is not None else None
-    if why:
-        raise ValueError(why)
-    return value
-
-
-StorableText = AfterValidator(_storable)
 
 
 class JobPublic(BaseModel):
@@ -247,15 +233,6 @@ def create_golden(body: GoldenCreate, session: SessionDep) -> dict[str, Any]:
     except KeyError:
         raise HTTPException(status_code=404, detail=f"no run {body.run_id}") from None
     return {"fingerprint": g.fingerprint, "run_id": g.run_id, "label": g.label}
-
-
-class TriageUpdate(BaseModel):
-    model_config = {"extra": "forbid"}
-
-    triage: Literal["acknowledged", "expected", "fixed"] | None = Field(
-        ..., description="acknowledged: being looked at; expected: an intended change (its level "
-                         "becomes the new baseline); fixed: a fix is in; null: untriaged")
-    comment: Annotated[str | None, StorableText] = Field(None, max_length=4000)
 
 
 @router.get("/regressions", tags=["verdicts"])

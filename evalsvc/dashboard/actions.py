@@ -18,15 +18,15 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
-from evalsvc.api.auth import Accounts, User, csrf_matches
-from evalsvc.api.deps import ServicesDep, SessionDep, current_user, require_read
-from evalsvc.api.middleware import WRITES_OFF, read_only
-from evalsvc.api.routes import JobId, RunId, TriageUpdate
 from evalsvc.bisect import BisectCreate
 from evalsvc.dashboard.views import job_form, page, problem, regression_page
 from evalsvc.jobs import BuildSpec, JobCreate, JobError
 from evalsvc.store import queries
 from evalsvc.store.audit import Actor
+from evalsvc.web.auth import Accounts, User, csrf_matches
+from evalsvc.web.deps import ServicesDep, SessionDep, current_user, require_read
+from evalsvc.web.middleware import WRITES_OFF, read_only
+from evalsvc.web.params import JobId, RunId, TriageUpdate
 
 log = logging.getLogger("evalsvc.dashboard")
 VIA = "dashboard"

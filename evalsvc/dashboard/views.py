@@ -24,9 +24,6 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from evalsvc.api.auth import csrf_token
-from evalsvc.api.deps import SessionDep, current_user, require_read
-from evalsvc.api.routes import JobId, RunId
 from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
@@ -34,6 +31,9 @@ from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Build, Commit, Regression, Run, Sample
 from evalsvc.thresholds import limits_for
 from evalsvc.verdicts import compare_builds
+from evalsvc.web.auth import csrf_token
+from evalsvc.web.deps import SessionDep, current_user, require_read
+from evalsvc.web.params import JobId, RunId
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")

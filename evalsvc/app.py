@@ -1,4 +1,7 @@
-"""The service: a FastAPI app over the store and the job runner (``create_app(settings)``)."""
+"""The service's composition root: one FastAPI app over the store and the job runner
+(``create_app(settings)``), with the REST API (``api/``, under ``/api/v1``) and the dashboard
+(``dashboard/``) mounted side by side, the guard and session middleware, the error handlers,
+``/healthz`` and ``/metrics``. What the two share lives in ``web/``."""
 
 from __future__ import annotations
 
@@ -15,13 +18,13 @@ from starlette.middleware.sessions import SessionMiddleware
 
 from evalsvc import __version__
 from evalsvc.api import routes
-from evalsvc.api.auth import Accounts, session_secret
-from evalsvc.api.deps import Services, require_read
-from evalsvc.api.middleware import HttpGuard
 from evalsvc.dashboard import mount_dashboard
 from evalsvc.jobs import describe
 from evalsvc.settings import Settings
 from evalsvc.store.lock import StoreLocked
+from evalsvc.web.auth import Accounts, session_secret
+from evalsvc.web.deps import Services, require_read
+from evalsvc.web.middleware import HttpGuard
 
 log = logging.getLogger("evalsvc.api")
 SESSION_COOKIE = "evalsvc_session"

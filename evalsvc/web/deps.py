@@ -15,8 +15,6 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from evalsvc.api.auth import OPEN_USER, Accounts, User
-from evalsvc.api.middleware import USER_SCOPE_KEY, WRITES_OFF
 from evalsvc.bisect import Bisector
 from evalsvc.dispatch import make_dispatcher
 from evalsvc.jobs import JobService, describe
@@ -25,6 +23,8 @@ from evalsvc.store import shown_url
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
+from evalsvc.web.auth import OPEN_USER, Accounts, User
+from evalsvc.web.middleware import USER_SCOPE_KEY, WRITES_OFF
 
 log = logging.getLogger("evalsvc.api")
 DURATION_BUCKETS = (5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
