@@ -22,6 +22,7 @@ from evalsvc.dashboard import mount_dashboard
 from evalsvc.jobs import describe
 from evalsvc.settings import Settings
 from evalsvc.store.lock import StoreLocked
+from evalsvc.validation import describe_errors
 from evalsvc.web.auth import Accounts, session_secret
 from evalsvc.web.deps import Services, require_read
 from evalsvc.web.middleware import HttpGuard
@@ -78,9 +79,7 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}"
-                             for e in exc.errors())
-        return JSONResponse({"detail": problems}, status_code=422)
+        return JSONResponse({"detail": describe_errors(exc)}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -28,6 +28,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from evalsvc import validation
 from evalsvc.paths import shipped_model_dir
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -386,17 +387,9 @@ def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> 
 
 
 def describe_errors(exc: ValidationError, prefix: str = "") -> str:
-    """A matrix's validation errors, each as ``PREFIX.LOC: message``."""
-    out = []
-    for e in exc.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        msg = msg.removeprefix("Value error, ")
-        if loc:
-            out.append(f"{prefix}{loc}: {msg}")
-        else:  # a whole-matrix check: its message starts with the key
-            out.append(f"{prefix}{msg}" if prefix else msg)
-    return "; ".join(out)
+    """A matrix's validation errors, each as ``PREFIX.LOC: message`` (a whole-matrix check: its
+    message, which starts with the key)."""
+    return validation.describe_errors(exc, prefix, tidy=True)
 
 
 def matrix_names() -> list[str]:
