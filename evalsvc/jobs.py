@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -30,6 +30,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.alerts import collect, deliver
+from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.defects import Defect
@@ -162,12 +163,6 @@ class JobCreate(BaseModel):
 
 
 CONFIG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-
-
-@dataclass
-class Counters:
-    outcomes: dict[str, int] = field(default_factory=dict)
-    run_seconds: list[float] = field(default_factory=list)
 
 
 class JobService:
@@ -722,7 +717,7 @@ class JobService:
                 path.unlink(missing_ok=True)
             return self._fail_run(run_id, f"it could not be recorded in the store: "
                                           f"{describe(exc)}")
-        self.counters.run_seconds.append(result.seconds)
+        self.counters.run_finished(result.seconds)
         return None
 
     def _fail_run(self, run_id: int, reason: str) -> str:
