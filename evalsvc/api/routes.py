@@ -9,13 +9,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, Field
-from sqlalchemy import select
 
 from evalsvc.bisect import BisectCreate
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import audit, queries
-from evalsvc.store.models import Bisection, Job, Regression, Run
+from evalsvc.store.models import Bisection, Job, Regression
 from evalsvc.verdicts import compare_builds
 from evalsvc.web.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
 from evalsvc.web.params import JobId, RunId, StorableText, TriageUpdate
@@ -81,12 +80,8 @@ def read_jobs(session: SessionDep,
               trigger: Annotated[str | None, Query(max_length=20)] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobPublic]:
     """Jobs, newest first, filtered by status and trigger."""
-    q = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
-    if status is not None:
-        q = q.where(Job.status == status)
-    if trigger is not None:
-        q = q.where(Job.trigger == trigger)
-    return [_public(j) for j in session.scalars(q)]
+    return [_public(j) for j in queries.find_jobs(session, status=status, trigger=trigger,
+                                                  limit=limit)]
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail, tags=["jobs"])
@@ -138,7 +133,7 @@ def read_commit_results(ref: Annotated[str, Path(max_length=300)], session: Sess
     if build is None:
         raise HTTPException(status_code=404, detail=f"no build of {ref!r} with patch set "
                                                     f"{patch_set!r}")
-    runs = session.scalars(select(Run.id).where(Run.build_id == build.id).order_by(Run.id)).all()
+    runs = queries.build_run_ids(session, build.id)
     return {"commit": ref, "patch_set": patch_set,
             "runs": [queries.run_detail(session, rid) for rid in runs]}
 
