@@ -271,7 +271,7 @@ def serve(
 
     import uvicorn
 
-    from evalsvc.api.app import create_app
+    from evalsvc.app import create_app
     from evalsvc.logs import setup_logging
     from evalsvc.settings import Settings
     from evalsvc.store import shown_url

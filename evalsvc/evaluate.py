@@ -19,12 +19,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from evalsvc.engines.base import EngineSpec, engine_command, launch
+from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
 from evalsvc.harness import EnginePool, run_config
 from evalsvc.jobs.plan import plan_runs
 from evalsvc.matrix import Config, MatrixFile, make_config
 from evalsvc.paths import inside
-from evalsvc.scenarios import EngineClient
 from evalsvc.tokenization import tokenized
 from evalsvc.types import RunResult
 from evalsvc.workloads import load_prompts, workload_version

@@ -26,11 +26,12 @@ import numpy as np
 
 from evalsvc import judging, metrics
 from evalsvc.engines.base import EngineSpec, launch
+from evalsvc.engines.client import EngineClient, ScenarioError
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
-from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
+from evalsvc.scenarios import SCENARIO_RUNNERS, Context, Sample
 from evalsvc.types import RunResult, SampleRow, ScenarioResult, TopLogprobs, worst
 
 log = logging.getLogger("evalsvc.harness")

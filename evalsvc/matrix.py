@@ -28,6 +28,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from evalsvc import validation
+from evalsvc.paths import shipped_model_dir
 from evalsvc.types import RunResult
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -403,17 +405,9 @@ def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> 
 
 
 def describe_errors(exc: ValidationError, prefix: str = "") -> str:
-    """A matrix's validation errors, each as ``PREFIX.LOC: message``."""
-    out = []
-    for e in exc.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        msg = msg.removeprefix("Value error, ")
-        if loc:
-            out.append(f"{prefix}{loc}: {msg}")
-        else:  # a whole-matrix check: its message starts with the key
-            out.append(f"{prefix}{msg}" if prefix else msg)
-    return "; ".join(out)
+    """A matrix's validation errors, each as ``PREFIX.LOC: message`` (a whole-matrix check: its
+    message, which starts with the key)."""
+    return validation.describe_errors(exc, prefix, tidy=True)
 
 
 def matrix_names() -> list[str]:
@@ -584,8 +578,6 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
 @lru_cache(maxsize=64)
 def model_identity(path: str, engine: str) -> str:
     """Shipped or local model directories: name plus a hash of config and weights; other ids as is."""
-    from evalsvc.engines.embedded.paths import shipped_model_dir
-
     local = shipped_model_dir(path) if engine == "embedded" else None
     directory = local or (Path(path) if Path(path).is_dir() else None)
     if directory is None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
+from evalsvc.paths import shipped_model_dir
+
 if TYPE_CHECKING:
     from evalsvc.engines.base import EngineSpec
     from evalsvc.matrix import MatrixFile
@@ -20,8 +22,6 @@ class TokenizerError(ValueError):
 @lru_cache(maxsize=16)
 def load_tokenizer(model_path: str, engine: str = "embedded") -> Tokenizer:
     """tokenizer.json of a shipped model (by name), of a local model directory, or from the hub."""
-    from evalsvc.engines.embedded.paths import shipped_model_dir
-
     directory = shipped_model_dir(model_path) if engine == "embedded" else None
     directory = directory or (Path(model_path) if Path(model_path).is_dir() else None)
     if directory is not None:

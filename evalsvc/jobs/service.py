@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.alerts import collect, deliver
+from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs.plan import made_build_ref, plan_runs
@@ -49,12 +50,6 @@ from evalsvc.tokenization import tokenized
 from evalsvc.verdicts import judge_run, track
 
 log = logging.getLogger("evalsvc.jobs")
-
-
-@dataclass
-class Counters:
-    outcomes: dict[str, int] = field(default_factory=dict)
-    run_seconds: list[float] = field(default_factory=list)
 
 
 class JobService:
@@ -484,7 +479,7 @@ class JobService:
                 path.unlink(missing_ok=True)
             return self._fail_run(run_id, f"it could not be recorded in the store: "
                                           f"{describe(exc)}")
-        self.counters.run_seconds.append(result.seconds)
+        self.counters.run_finished(result.seconds)
         return None
 
     def _fail_run(self, run_id: int, reason: str) -> str:

@@ -19,10 +19,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from evalsvc import validation
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.defects import Defect
 from evalsvc.jobs.plan import UnknownConfigs, plan_runs
 from evalsvc.matrix import MatrixError, MatrixFile, WorkloadSpec, describe_errors, load_matrix
+from evalsvc.paths import shipped_model_dir
 from evalsvc.settings import Settings
 
 
@@ -191,9 +193,7 @@ def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> 
             matrix.workload = WorkloadSpec.model_validate(
                 {**matrix.workload.model_dump(), **body.workload})
         except ValidationError as exc:
-            raise JobError("; ".join(
-                f"workload.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            ) from None
+            raise JobError(validation.describe_errors(exc, "workload.")) from None
     from evalsvc.workloads import WorkloadError, check_dataset
 
     # a client names builtin or hub datasets, and local files only under EVALSVC_DATASETS_DIR;
@@ -316,8 +316,6 @@ def _check_model(engine: str, key: str, path: str) -> None:
         raise JobError(f"{where}: {path!r} is not a model (it starts with '-')")
     try:
         if engine == "embedded":
-            from evalsvc.engines.embedded.paths import shipped_model_dir
-
             if shipped_model_dir(path) is None and not (Path(path) / "config.json").is_file():
                 raise JobError(f"{where}: {path!r} is neither a shipped model nor a model "
                                "directory")

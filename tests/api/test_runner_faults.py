@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 import evalsvc.evaluate
 import evalsvc.jobs
 import evalsvc.workloads
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.cli import app as cli
 from evalsvc.dispatch.local import LocalDispatcher
 from evalsvc.jobs import JobCreate, JobService
