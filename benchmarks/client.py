@@ -49,11 +49,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from evalsvc.engines.base import EngineSpec, launch  # noqa: E402
+from evalsvc.engines.client import EngineClient, work_seconds  # noqa: E402
 from evalsvc.engines.launch import free_port  # noqa: E402
 from evalsvc.engines.sglang_server import build_generate_payload  # noqa: E402
-from evalsvc.evaluate import prepare, tokenized  # noqa: E402
+from evalsvc.evaluate import prepare  # noqa: E402
 from evalsvc.matrix import load_matrix  # noqa: E402
-from evalsvc.scenarios import TOP_K, EngineClient, work_seconds  # noqa: E402
+from evalsvc.scenarios import TOP_K  # noqa: E402
+from evalsvc.tokenization import tokenized  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_TOKENS = 200

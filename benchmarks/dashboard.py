@@ -47,7 +47,7 @@ from benchmarks.store import (  # noqa: E402
     make_configs,
     parse_args,
 )
-from evalsvc.api.app import create_app  # noqa: E402
+from evalsvc.app import create_app  # noqa: E402
 from evalsvc.settings import Settings  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
 from evalsvc.store.models import Build, Commit, Job, Run, Sample  # noqa: E402

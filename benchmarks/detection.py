@@ -54,11 +54,12 @@ sys.path.insert(0, str(ROOT))
 from evalsvc.engines.base import EngineSpec  # noqa: E402
 from evalsvc.evaluate import evaluate, prepare  # noqa: E402
 from evalsvc.harness import EnginePool  # noqa: E402
+from evalsvc.judging import POOLED  # noqa: E402
 from evalsvc.matrix import MatrixFile, load_matrix  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
 from evalsvc.store.models import Build, Commit, Metric, Regression, Run, Verdict  # noqa: E402
 from evalsvc.store.record import BuildRef, record_results  # noqa: E402
-from evalsvc.verdicts import POOLED, judge_recorded  # noqa: E402
+from evalsvc.verdicts import judge_recorded  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 START = datetime(2026, 1, 1, tzinfo=UTC)

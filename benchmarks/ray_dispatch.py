@@ -51,8 +51,8 @@ from evalsvc.builds.embedded import embedded_build  # noqa: E402
 from evalsvc.dispatch.base import RunTask, build_request, engine_for, prepare_build  # noqa: E402
 from evalsvc.dispatch.local import LocalDispatcher  # noqa: E402
 from evalsvc.engines.base import EngineSpec  # noqa: E402
-from evalsvc.evaluate import tokenized  # noqa: E402
 from evalsvc.matrix import WorkloadSpec, expand, load_matrix  # noqa: E402
+from evalsvc.tokenization import tokenized  # noqa: E402
 from evalsvc.workloads import load_prompts, workload_version  # noqa: E402
 from tests.dispatch.raycluster import RayCluster, loopback_only  # noqa: E402
 

@@ -33,7 +33,7 @@ from sqlalchemy import select
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from evalsvc.api.app import create_app  # noqa: E402
+from evalsvc.app import create_app  # noqa: E402
 from evalsvc.settings import Settings  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
 from evalsvc.store.models import Build, Commit, Run, Sample  # noqa: E402

@@ -4,9 +4,10 @@ The candidates are the first-parent commits after ``good`` up to ``bad``. Each s
 config, only, on one commit (a job with trigger ``bisect``, run like any other), or reuses a
 finished run of that config on that commit if the store has one; the commit is bad when the
 scenario failed (a fixed limit or a history regression) or, with ``metric``, when that metric's
-verdict is a regression. Binary search needs at most ceil(log2(n)) runs for n candidates, plus one
-if the bad end has not been evaluated yet. A step whose run cannot decide (engine error, too few
-cache hits) stops the bisection with that reason.
+verdict is a regression. The search (``first_bad``, pure) needs at most ceil(log2(n)) runs for n
+candidates, plus one if the bad end has not been evaluated yet; a step waits for its job by being
+woken when the job service ends a job (``JobService.wait_end``). A step whose run cannot decide
+(engine error, too few cache hits) stops the bisection with that reason.
 
 Bisections live in the store: the steps are written as they finish, and a service restarted in
 the middle resumes them (finished steps are reused, not run again).
@@ -15,26 +16,30 @@ the middle resumes them (finished steps are reused, not run again).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-import uuid
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from evalsvc.builds.build import BuildError, git, git_mirror
-from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService
+from evalsvc.engines.base import EngineSpec
+from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService, UnknownConfigs, mint_id, plan_runs
+from evalsvc.judging import METRICS, POOLED
 from evalsvc.logs import log_context
-from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix
+from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
 from evalsvc.store import audit
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, Verdict, utcnow
-from evalsvc.verdicts import METRICS, POOLED
+from evalsvc.types import FINISHED_JOB_STATUSES
 
 log = logging.getLogger("evalsvc.bisect")
-FINISHED = ("done", "failed", "cancelled")
+T = TypeVar("T")
+SETTLE = 30.0  # seconds: a step's job is looked at this often even when no end was signalled
 
 
 class BisectCreate(BaseModel):
@@ -59,8 +64,28 @@ class BisectCreate(BaseModel):
                                                   "default to its series and commits")
 
 
+class BisectSpec(BaseModel):
+    """A bisection as checked and stored with it (``Bisection.spec``): what each step evaluates,
+    and the commits to search."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repository: str
+    good: str
+    bad: str
+    matrix: str
+    config: str
+    scenario: str
+    metric: str | None = None
+    patches: list[str] = Field(default_factory=list)
+    workload: dict[str, Any] | None = None
+    regression_id: int | None = None
+    candidates: list[str]
+
+
 class Bisector:
-    """Runs bisections in threads of their own, each step a job of the job service."""
+    """Runs bisections in threads of their own, each step a job of the job service. ``poll``: how
+    often (seconds) a step waiting for its job looks at the bisector's stop."""
 
     def __init__(self, store: Store, jobs: JobService, poll: float = 1.0) -> None:
         self.store, self.jobs, self.poll = store, jobs, poll
@@ -74,25 +99,25 @@ class Bisector:
         whose repositories need not be on the allowed list. ``actor``: the person starting it (an
         audit event, stored with the bisection)."""
         spec = self.normalize(body, trusted=trusted)
-        bisect_id = f"bisect-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        bisect_id = mint_id("bisect")
         with self.store.session() as s:
-            s.add(Bisection(id=bisect_id, repository=spec["repository"], good=spec["good"],
-                            bad=spec["bad"], matrix=spec["matrix"], config=spec["config"],
-                            scenario=spec["scenario"], metric=spec["metric"], spec=spec,
-                            status="queued", candidates=spec["candidates"], steps=[],
+            s.add(Bisection(id=bisect_id, repository=spec.repository, good=spec.good,
+                            bad=spec.bad, matrix=spec.matrix, config=spec.config,
+                            scenario=spec.scenario, metric=spec.metric, spec=spec.model_dump(),
+                            status="queued", candidates=spec.candidates, steps=[],
                             regression_id=body.regression_id))
             if actor is not None:
                 audit.record(s, actor, "bisect", "bisection", bisect_id, details={
-                    "regression_id": body.regression_id, "good": spec["good"],
-                    "bad": spec["bad"], "config": spec["config"], "scenario": spec["scenario"],
-                    "candidates": len(spec["candidates"])})
+                    "regression_id": body.regression_id, "good": spec.good, "bad": spec.bad,
+                    "config": spec.config, "scenario": spec.scenario,
+                    "candidates": len(spec.candidates)})
         log.info("bisection %s queued: %d candidates between %s and %s", bisect_id,
-                 len(spec["candidates"]), spec["good"][:10], spec["bad"][:10])
+                 len(spec.candidates), spec.good[:10], spec.bad[:10])
         if start:
             self.start(bisect_id)
         return bisect_id
 
-    def normalize(self, body: BisectCreate, trusted: bool = False) -> dict[str, Any]:
+    def normalize(self, body: BisectCreate, trusted: bool = False) -> BisectSpec:
         """Fill in from the regression, check everything, list the candidates; JobError if not."""
         fields = body.model_dump()
         # a stored regression's repository is one the service evaluated already: the operator's
@@ -116,15 +141,18 @@ class Bisector:
             matrix = load_matrix(fields["matrix"])
         except MatrixError as exc:
             raise JobError(f"matrix: {exc}") from None
-        cfg = next((c for c in expand(matrix) if c.name == fields["config"]), None)
-        if cfg is None:
-            raise JobError(f"config: {fields['config']!r} not in matrix {matrix.name}")
+        try:
+            [cfg] = plan_runs(matrix, EngineSpec(kind=matrix.engine), configs=[fields["config"]])
+        except UnknownConfigs:
+            raise JobError(f"config: {fields['config']!r} not in matrix {matrix.name}") from None
         if fields["scenario"] not in (*cfg.scenarios, POOLED):
             raise JobError(f"scenario: config {cfg.name} does not run {fields['scenario']!r} "
                            f"(it runs {', '.join(cfg.scenarios)})")
         repo = fields["repository"]
         # the steps' job body, checked first (allowed sources before anything is cloned)
-        self.jobs.normalize(self._step_body(fields, f"git:{repo}@{fields['bad']}"), trusted=trusted)
+        self.jobs.normalize(_step_body(fields["matrix"], fields["config"], fields["patches"],
+                                       fields.get("workload"), f"git:{repo}@{fields['bad']}"),
+                            trusted=trusted)
         try:
             mirror = git_mirror(repo)
             good = _resolve(mirror, fields["good"], "good")
@@ -137,7 +165,8 @@ class Bisector:
                          mirror).stdout.split()
         if not candidates:
             raise JobError("bad: the same commit as good")
-        return {**fields, "good": good, "bad": bad, "candidates": candidates}
+        return BisectSpec.model_validate({**fields, "good": good, "bad": bad,
+                                          "candidates": candidates})
 
     def _from_regression(self, regression_id: int) -> dict[str, Any]:
         with self.store.session() as s:
@@ -155,12 +184,6 @@ class Bisector:
                     "scenario": reg.scenario, "metric": reg.metric,
                     "patches": [p for p in reg.patch_set.split(",") if p],
                     "workload": _workload_overrides(job_spec)}
-
-    @staticmethod
-    def _step_body(spec: dict[str, Any], source: str) -> JobCreate:
-        return JobCreate(matrix=spec["matrix"], configs=[spec["config"]],
-                         builds=[BuildSpec(source=source, patches=spec["patches"])],
-                         workload=spec.get("workload"), priority=100)
 
     # ---- running ---------------------------------------------------------------------------
     def start(self, bisect_id: str) -> None:
@@ -186,7 +209,7 @@ class Bisector:
             with self.store.session() as s:
                 b = s.get(Bisection, bisect_id)
                 b.status = "running"
-                spec, candidates = dict(b.spec), list(b.candidates)
+                spec, candidates = BisectSpec.model_validate(b.spec), list(b.candidates)
             try:
                 first_bad = self._search(bisect_id, spec, candidates, on_step)
             except BisectError as exc:
@@ -203,21 +226,15 @@ class Bisector:
             log.info("bisection %s: first bad commit %s", bisect_id, first_bad)
             return first_bad
 
-    def _search(self, bisect_id: str, spec: dict[str, Any], candidates: list[str],
+    def _search(self, bisect_id: str, spec: BisectSpec, candidates: list[str],
                 on_step) -> str:
-        lo, hi = -1, len(candidates) - 1  # candidates[lo] good (-1: the good commit), [hi] bad
-        if not self._step(bisect_id, spec, candidates[hi], on_step):
-            raise BisectError(f"the bad commit {candidates[hi][:12]} passes {spec['config']} / "
-                              f"{spec['scenario']}: nothing to bisect")
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self._step(bisect_id, spec, candidates[mid], on_step):
-                hi = mid
-            else:
-                lo = mid
-        return candidates[hi]
+        found = first_bad(candidates, lambda sha: self._step(bisect_id, spec, sha, on_step))
+        if found is None:
+            raise BisectError(f"the bad commit {candidates[-1][:12]} passes {spec.config} / "
+                              f"{spec.scenario}: nothing to bisect")
+        return found
 
-    def _step(self, bisect_id: str, spec: dict[str, Any], sha: str, on_step) -> bool:
+    def _step(self, bisect_id: str, spec: BisectSpec, sha: str, on_step) -> bool:
         """Evaluate one commit (or reuse its stored run): True when it is bad."""
         # a step submitted before a restart and still queued or running is waited for; asked
         # before the stored runs, so one that ends between the two questions is found stored
@@ -239,8 +256,10 @@ class Bisector:
             on_step(step)
         return bad
 
-    def _submit_step(self, bisect_id: str, spec: dict[str, Any], sha: str) -> str:
-        body = self._step_body(spec, f"git:{spec['repository']}@{sha}")
+    def _submit_step(self, bisect_id: str, spec: BisectSpec | dict[str, Any], sha: str) -> str:
+        spec = BisectSpec.model_validate(spec) if isinstance(spec, dict) else spec  # as stored
+        body = _step_body(spec.matrix, spec.config, spec.patches, spec.workload,
+                          f"git:{spec.repository}@{sha}")
         job_id = self.jobs.submit(body, trigger="bisect", trusted=True,
                                   extra={"bisection": bisect_id, "bisection_sha": sha})
         with self.store.session() as s:  # counted when it starts, whatever its outcome
@@ -250,59 +269,66 @@ class Bisector:
     def _unfinished_step(self, bisect_id: str, sha: str) -> str | None:
         with self.store.session() as s:
             jobs = s.scalars(select(Job).where(Job.trigger == "bisect",
-                                               Job.status.not_in(FINISHED)).order_by(Job.created_at))
+                                               Job.status.not_in(FINISHED_JOB_STATUSES)).order_by(Job.created_at))
             return next((j.id for j in jobs if (j.spec or {}).get("bisection") == bisect_id
                          and j.spec.get("bisection_sha") == sha), None)
 
-    def _stored_run(self, spec: dict[str, Any], sha: str) -> int | None:
-        patch_set = ",".join(sorted(set(spec["patches"])))
+    def _stored_run(self, spec: BisectSpec, sha: str) -> int | None:
+        patch_set = ",".join(sorted(set(spec.patches)))
         with self.store.session() as s:
             return s.scalars(
                 select(Run.id).join(Build, Run.build_id == Build.id)
                 .join(Commit, Build.commit_id == Commit.id)
-                .where(Commit.sha == sha, Commit.repository == spec["repository"],
-                       Build.patch_set == patch_set, Run.matrix == spec["matrix"],
-                       Run.config == spec["config"], Run.status == "done",
+                .where(Commit.sha == sha, Commit.repository == spec.repository,
+                       Build.patch_set == patch_set, Run.matrix == spec.matrix,
+                       Run.config == spec.config, Run.status == "done",
                        Run.verdict.in_(("pass", "fail")))
                 .order_by(Run.finished_at.desc()).limit(1)).first()
 
     def _wait(self, job_id: str, sha: str) -> int:
+        """The run of a step's job, once the job finished. The store is read when the job service
+        ended a job (``JobService.wait_end``), and every SETTLE seconds besides (an end written
+        elsewhere); the bisector's stop is looked at every ``poll`` seconds."""
+        looked_at, looked = None, -math.inf
         while True:
             if self._stop.is_set():
                 raise _Stopped
-            with self.store.session() as s:
-                job = s.get(Job, job_id)
-                if job.status in FINISHED:
-                    run = s.scalars(select(Run).where(Run.job_id == job_id)).first()
-                    if job.status != "done" or run is None or run.status != "done":
-                        raise BisectError(f"commit {sha[:12]}: job {job_id} {job.status}"
-                                          + (f": {job.error}" if job.error else ""))
-                    return run.id
-            time.sleep(self.poll)
+            ends = self.jobs.ends()  # before the read: an end after it wakes the wait below
+            if ends != looked_at or time.monotonic() - looked >= SETTLE:
+                looked_at, looked = ends, time.monotonic()
+                with self.store.session() as s:
+                    job = s.get(Job, job_id)
+                    if job.status in FINISHED_JOB_STATUSES:
+                        run = s.scalars(select(Run).where(Run.job_id == job_id)).first()
+                        if job.status != "done" or run is None or run.status != "done":
+                            raise BisectError(f"commit {sha[:12]}: job {job_id} {job.status}"
+                                              + (f": {job.error}" if job.error else ""))
+                        return run.id
+            self.jobs.wait_end(ends, timeout=self.poll)
 
-    def _judge(self, spec: dict[str, Any], run_id: int, sha: str) -> tuple[bool, str, str]:
+    def _judge(self, spec: BisectSpec, run_id: int, sha: str) -> tuple[bool, str, str]:
         with self.store.session() as s:
             run = s.get(Run, run_id)
-            scen = next((x for x in run.scenarios if x.scenario == spec["scenario"]), None)
-            if spec["scenario"] == POOLED:  # no scenario row: the pooled verdict decides
+            scen = next((x for x in run.scenarios if x.scenario == spec.scenario), None)
+            if spec.scenario == POOLED:  # no scenario row: the pooled verdict decides
                 v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
                                                     Verdict.scenario == POOLED,
-                                                    Verdict.metric == spec["metric"])).first()
+                                                    Verdict.metric == spec.metric)).first()
                 if v is None or v.verdict not in ("pass", "regression", "improvement"):
                     raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide (no pooled "
-                                      f"{spec['metric']} verdict: {run.verdict}: {run.reason})")
+                                      f"{spec.metric} verdict: {run.verdict}: {run.reason})")
                 return v.verdict == "regression", v.verdict, v.reason or ""
             if scen is None or scen.verdict not in ("pass", "fail"):
                 why = (f"{scen.verdict}: {scen.reason}" if scen is not None
                        else f"{run.verdict}: {run.reason}")
                 raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide ({why})")
-            if spec.get("metric"):
+            if spec.metric:
                 v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
-                                                    Verdict.scenario == spec["scenario"],
-                                                    Verdict.metric == spec["metric"])).first()
+                                                    Verdict.scenario == spec.scenario,
+                                                    Verdict.metric == spec.metric)).first()
                 if v is None:
                     raise BisectError(f"commit {sha[:12]}: run {run_id} has no "
-                                      f"{spec['metric']} verdict for {spec['scenario']}")
+                                      f"{spec.metric} verdict for {spec.scenario}")
                 return v.verdict == "regression", v.verdict, v.reason or ""
             return scen.verdict == "fail", scen.verdict, scen.reason or ""
 
@@ -319,6 +345,33 @@ class BisectError(RuntimeError):
 
 class _Stopped(Exception):
     pass
+
+
+def first_bad(candidates: Sequence[T], is_bad: Callable[[T], bool]) -> T | None:
+    """The first bad candidate, by binary search (as asv's ``find`` bisects): ``candidates`` in
+    order, the one before the first known good, and every one after a bad one bad too. The last
+    is asked first: None when it is good (nothing to bisect). Asks at most ceil(log2(n)) + 1
+    times for n candidates, never about one twice."""
+    if not candidates:
+        return None
+    lo, hi = -1, len(candidates) - 1  # candidates[lo] good (-1: the one before), [hi] bad
+    if not is_bad(candidates[hi]):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if is_bad(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return candidates[hi]
+
+
+def _step_body(matrix: str, config: str, patches: list[str], workload: dict[str, Any] | None,
+               source: str) -> JobCreate:
+    """A step's job: the one config on the one commit, ahead of other jobs."""
+    return JobCreate(matrix=matrix, configs=[config],
+                     builds=[BuildSpec(source=source, patches=patches)], workload=workload,
+                     priority=100)
 
 
 def _resolve(mirror, ref: str, what: str) -> str:

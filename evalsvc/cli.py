@@ -95,12 +95,12 @@ def run(
     import json
     import logging
     import time
-    import uuid
 
     from rich.console import Console
 
     from evalsvc.engines.base import EngineSpec
     from evalsvc.evaluate import dry_run_commands, evaluate, prepare, results_table
+    from evalsvc.jobs import UnknownConfigs, mint_id
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.workloads import WorkloadError
@@ -142,22 +142,19 @@ def run(
         sglang_version = installed_version(engine_python or sys.executable)
     spec = EngineSpec(kind=kind, python=engine_python, version=sglang_version, env=env)
     try:
-        cfgs, prompts = prepare(mat, spec, model)
+        cfgs, prompts = prepare(mat, spec, model, configs)
+    except UnknownConfigs as exc:
+        console.print(f"[red]error:[/] --config {', '.join(exc.unknown)}: not in matrix "
+                      f"{mat.name} ({', '.join(exc.known)})")
+        raise typer.Exit(2) from None
     except (WorkloadError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    if configs:
-        unknown = sorted(set(configs) - {c.name for c in cfgs})
-        if unknown:
-            console.print(f"[red]error:[/] --config {', '.join(unknown)}: not in matrix "
-                          f"{mat.name} ({', '.join(c.name for c in cfgs)})")
-            raise typer.Exit(2)
-        cfgs = [c for c in cfgs if c.name in configs]
     if dry_run:
         for argv in dry_run_commands(cfgs, spec):
             print(json.dumps(argv))
         return
-    job_id = f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    job_id = mint_id("cli", digits=6)
     out = out or Path("out") / job_id
     build_info = build_ref(kind, sglang_version, repository, commit, commit_time, branch,
                            inject_defect or [], build)
@@ -208,15 +205,9 @@ def build_ref(kind: str, version: str | None, repository: str | None, commit: st
                         version=None if commit else __version__, committed_at=when, branch=branch,
                         patches=[f"defect:{d}" for d in defects])
     if build is not None:
-        m = build.manifest
-        probes = {p["fix"]: p["status"] for p in m["probes_after"]}
-        return BuildRef(repository=repository or (m["location"] if m["kind"] != "pypi"
-                                                  else "sgl-project/sglang"),
-                        sha=m.get("commit") or commit,
-                        version=m.get("version") or (None if m.get("commit") or commit
-                                                     else "tree-" + m["package_hash"][:12]),
-                        committed_at=when, branch=branch, patches=m["patches"], probes=probes,
-                        base_env=m.get("base_env"), manifest=m)
+        from evalsvc.jobs.plan import made_build_ref
+
+        return made_build_ref(build.manifest, when, repository, commit, branch)
     return BuildRef(repository=repository or "sgl-project/sglang", sha=commit,
                     version=None if commit else (version or "unknown"), committed_at=when,
                     branch=branch)
@@ -280,7 +271,7 @@ def serve(
 
     import uvicorn
 
-    from evalsvc.api.app import create_app
+    from evalsvc.app import create_app
     from evalsvc.logs import setup_logging
     from evalsvc.settings import Settings
     from evalsvc.store import shown_url
@@ -364,6 +355,7 @@ def nightly(
     from evalsvc.settings import Settings
     from evalsvc.store.db import Store
     from evalsvc.store.models import Job
+    from evalsvc.types import FINISHED_JOB_STATUSES
 
     if not once:
         typer.echo("error: use --once (the service runs the schedules on their crons)", err=True)
@@ -400,7 +392,7 @@ def nightly(
             while True:
                 with store.session() as sess:
                     states = {j: sess.get(Job, j).status for j in submitted}
-                if all(v in ("done", "failed", "cancelled") for v in states.values()):
+                if all(v in FINISHED_JOB_STATUSES for v in states.values()):
                     break
                 time.sleep(1)
             for j, v in states.items():

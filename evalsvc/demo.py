@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evalsvc.engines.launch import EngineProcess, embedded_command, free_port
+from evalsvc.types import FINISHED_JOB_STATUSES
 
 
 def demo_prompts() -> list[dict]:
@@ -156,7 +157,7 @@ def run_service_demo(matrix: str, configs: list[str] | None = None,
                                and k != "running")
                     progress.update(task, total=max(1, len(job["runs"])) if job["runs"] else None,
                                     completed=done, description=f"job {job_id}: {job['status']}")
-                    if job["status"] in ("done", "failed", "cancelled"):
+                    if job["status"] in FINISHED_JOB_STATUSES:
                         break
                     time.sleep(1)
             table = Table(title=f"{matrix}: job {job_id} {job['status']}")

@@ -19,46 +19,29 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from evalsvc.engines.base import EngineSpec, engine_command, launch
+from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
 from evalsvc.harness import EnginePool, run_config
-from evalsvc.matrix import Config, MatrixFile, expand, make_config
+from evalsvc.jobs.plan import plan_runs
+from evalsvc.matrix import Config, MatrixFile, make_config
 from evalsvc.paths import inside
-from evalsvc.scenarios import EngineClient
-from evalsvc.tokenization import TokenizerError, encode, load_tokenizer
+from evalsvc.tokenization import tokenized
 from evalsvc.types import RunResult
 from evalsvc.workloads import load_prompts, workload_version
 
 log = logging.getLogger("evalsvc.evaluate")
 
 
-def prepare(matrix: MatrixFile, spec: EngineSpec, model_override: str | None = None):
-    """(configs, prompts per model key as (id, token ids)) for a matrix and an engine."""
+def prepare(matrix: MatrixFile, spec: EngineSpec, model_override: str | None = None,
+            configs: list[str] | None = None):
+    """(configs, prompts per model key as (id, token ids)) for a matrix and an engine; only the
+    ``configs`` named, when given (``jobs.plan.plan_runs``: UnknownConfigs if one is not in it)."""
     if model_override:
         for entry in matrix.models.values():
             entry.path = model_override
     prompts = load_prompts(matrix.workload)
     version = workload_version(matrix.workload, prompts)
-    hardware = "cpu" if spec.kind == "embedded" else "gpu"
-    configs = expand(matrix, hardware=hardware, workload_version=version,
-                     sglang_version=spec.version if spec.kind == "sglang" else None)
-    return configs, prompts
-
-
-def tokenized(matrix: MatrixFile, spec: EngineSpec, prompts,
-              errors: dict[str, str] | None = None) -> dict[str, list[tuple[str, list[int]]]]:
-    """Prompts as token ids per model key; with ``errors``, a model whose tokenizer cannot be loaded
-    is recorded there (key -> message) instead of raising."""
-    out = {}
-    for key, entry in matrix.models.items():
-        try:
-            tok = load_tokenizer(entry.path, spec.kind)
-        except TokenizerError as exc:
-            if errors is None:
-                raise
-            errors[key] = str(exc)
-            continue
-        out[key] = [(p.id, encode(tok, p.text)) for p in prompts]
-    return out
+    return plan_runs(matrix, spec, version, configs), prompts
 
 
 def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]:
@@ -86,15 +69,12 @@ def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpe
                                 description=f"  {_cfg.name}: {scen.scenario} {scen.verdict}")
 
             if cfg.model in bad_models:  # this config fails; the other models' configs still run
-                result = RunResult(cfg.name, cfg.fingerprint, cfg.model, dict(cfg.settings),
-                                   dict(cfg.args), verdict="error", reason=bad_models[cfg.model])
+                result = cfg.unrun("error", bad_models[cfg.model])
             else:
                 try:
                     reference = references.client(cfg.model)
                 except EngineStartError as exc:
-                    result = RunResult(cfg.name, cfg.fingerprint, cfg.model, dict(cfg.settings),
-                                       dict(cfg.args), verdict="error",
-                                       reason=f"reference server did not start: {exc}")
+                    result = cfg.unrun("error", f"reference server did not start: {exc}")
                 else:
                     result = run_config(cfg, matrix, spec, by_model[cfg.model], log_dir=log_dir,
                                         reference=reference, on_scenario=on_scenario,

@@ -24,24 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from evalsvc import metrics
+from evalsvc import judging, metrics
 from evalsvc.engines.base import EngineSpec, launch
+from evalsvc.engines.client import EngineClient, ScenarioError
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
 from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
-from evalsvc.scenarios import SCENARIO_RUNNERS, Context, EngineClient, Sample, ScenarioError
-from evalsvc.types import RunResult, ScenarioResult, TopLogprobs
+from evalsvc.scenarios import SCENARIO_RUNNERS, Context, Sample
+from evalsvc.types import RunResult, SampleRow, ScenarioResult, TopLogprobs, worst
 
 log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
-
-
-ORDER = ["pass", "inconclusive", "fail", "invalid", "error", "cancelled"]
-
-
-def worst(verdicts: list[str]) -> str:
-    return max(verdicts, key=ORDER.index) if verdicts else "pass"
 
 
 class RunControl:
@@ -197,8 +191,7 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
     run's deadline (``run_timeout``: engine start-up included)."""
     t0 = time.monotonic()
     spec = spec.with_env(matrix.engine_env)
-    result = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
-                       dict(config.args), verdict="error")
+    result = config.unrun("error")  # until it has scored
     log_path = inside(log_dir, f"{config.name}.log") if log_dir else None
     result.log_path = str(log_path) if log_path else None
     proc: EngineProcess | None = None
@@ -315,10 +308,9 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
     if control is not None and control.cancelled:
         result.verdict, result.reason = "cancelled", "the job was cancelled"
         return
-    result.verdict = worst([s.verdict for s in result.scenarios])
-    if result.verdict != "pass":  # the first scenario that decided it, named
-        s = next(s for s in result.scenarios if s.verdict == result.verdict)
-        result.reason = f"{s.scenario}: {s.reason}"
+    result.verdict, reason = worst((s.scenario, s.verdict, s.reason) for s in result.scenarios)
+    if reason is not None:  # the first scenario that decided it, named
+        result.reason = reason
 
 
 def exit_reason(proc: EngineProcess) -> str:
@@ -384,7 +376,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
                 metrics.topk_kl_and_same_top(s.completion.top.positions,
                                              s.reference_top.positions)
         raise
-    rows = []
+    rows: list[SampleRow] = []
     topk_vals, same_top = [], []
     per_sample = zip(kl.lengths.tolist(), kl.k1_mean.tolist(), kl.k2_mean.tolist(),
                      kl.k3_mean.tolist(), kl.k3_max.tolist(), kl.first_above.tolist(),
@@ -451,40 +443,15 @@ def collections_held():
 
 
 def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile) -> tuple[str, str]:
-    """pass / fail / inconclusive for one scenario against the fixed limits of
-    ``configs/thresholds.yaml`` (``verdicts.judge_metric`` without history); the history test runs
-    where the store is (``evalsvc.verdicts.judge_run``)."""
-    from evalsvc.thresholds import HistorySettings
-    from evalsvc.verdicts import METRICS, Series, judge_metric
-
-    lim = scenario_limits(config, matrix, name)
-    cov = m["hit_coverage"]
-    if cov < lim.min_hit_coverage or (lim.min_hit_coverage > 0 and cov == 0):
-        return "inconclusive", (f"hit coverage {cov:.2f} below {lim.min_hit_coverage:.2f}: the "
-                                "cache path was not exercised")
-    if (name == "speculative" and config.uses_mtp and lim.accept_length.min is not None
-            and m.get("accept_length") is None):
-        return "fail", "no speculative counters in the responses"
-    for metric in METRICS:
-        j = judge_metric(name, metric, m.get(metric), {}, lim, Series(), HistorySettings(),
-                         exact_fraction=m.get("bit_exact_fraction"))
-        if j is not None and j.verdict == "regression":
-            return "fail", j.reason
-    return "pass", ""
-
-
-def scenario_limits(config: Config, matrix: MatrixFile, scenario: str):
-    from evalsvc.thresholds import limits_for
-
-    return limits_for(matrix=matrix.name, engine=matrix.engine, config=config.name,
-                      model=config.model, settings=config.settings, scenario=scenario,
-                      matrix_thresholds=matrix.thresholds.model_dump(exclude_none=True),
-                      accept_floor=config.accept_floor)
+    """pass / fail / inconclusive for one scenario against its fixed limits
+    (``judging.judge_scenario``)."""
+    return judging.judge_scenario(name, m, judging.scenario_limits(config, matrix, name),
+                                  uses_mtp=config.uses_mtp)
 
 
 def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,
                k3_max: float, first_divergence: int, n_extend: int, extend_mean: float,
-               extend_max: float, top_arrays: tuple[Any, Any] = (None, None)) -> dict[str, Any]:
+               extend_max: float, top_arrays: tuple[Any, Any] = (None, None)) -> SampleRow:
     """One sample's row: its ``n`` generated tokens' mean k1/k2/k3 and max k3 (nats), the index of
     the first whose logprobs differ by more than DIVERGENCE_TOL (-1: none), the same of its
     ``n_extend`` extend tokens, and both sides' logprobs and the output ids: the sample's own

@@ -28,6 +28,10 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from evalsvc import validation
+from evalsvc.paths import shipped_model_dir
+from evalsvc.types import RunResult
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative")
 
@@ -140,6 +144,9 @@ def value_problem(axis: str, value: Any, models: dict[str, Any]) -> str | None:
 
 
 class Strict(BaseModel):
+    """The base of every experiment input read from YAML (matrices, thresholds): an unknown key
+    is refused, and so is an infinite or NaN number."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -326,6 +333,14 @@ class MatrixFile(Strict):
                 raise ValueError(f"{where}: {shown(value)} is not a plain value (letters, digits, "
                                  "'.', '_', '+', '-', at most 64, not starting with '-')")
 
+    def accept_floor(self, model: str, settings: dict[str, Any]) -> float | None:
+        """The minimum accept length of a config of ``model`` with axis values ``settings``: the
+        model's floor for the matrix's MTP draft steps, for an MTP config; None otherwise."""
+        entry = self.models.get(model)
+        if entry is None or not settings.get("mtp"):
+            return None
+        return entry.accept_floor.get(self.mtp.num_steps)
+
     def cross_product(self) -> int:
         """How many combinations the axes make before any is excluded (0 without axes)."""
         if not self.axes:
@@ -353,6 +368,12 @@ class Config:
     @property
     def uses_mtp(self) -> bool:
         return bool(self.settings.get("mtp"))
+
+    def unrun(self, verdict: str, reason: str = "") -> RunResult:
+        """This config's result when it got no further than its engine (an error, a cancel): what
+        was asked, the verdict and why."""
+        return RunResult(self.name, self.fingerprint, self.model, dict(self.settings),
+                         dict(self.args), verdict=verdict, reason=reason)
 
 
 def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> MatrixFile:
@@ -384,17 +405,9 @@ def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> 
 
 
 def describe_errors(exc: ValidationError, prefix: str = "") -> str:
-    """A matrix's validation errors, each as ``PREFIX.LOC: message``."""
-    out = []
-    for e in exc.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        msg = msg.removeprefix("Value error, ")
-        if loc:
-            out.append(f"{prefix}{loc}: {msg}")
-        else:  # a whole-matrix check: its message starts with the key
-            out.append(f"{prefix}{msg}" if prefix else msg)
-    return "; ".join(out)
+    """A matrix's validation errors, each as ``PREFIX.LOC: message`` (a whole-matrix check: its
+    message, which starts with the key)."""
+    return validation.describe_errors(exc, prefix, tidy=True)
 
 
 def matrix_names() -> list[str]:
@@ -497,10 +510,9 @@ def make_config(matrix: MatrixFile, point: dict[str, Any], hardware: str = "cpu"
     if matrix.engine_env:  # what the engine's environment switches on is part of what it is
         identity["engine_env"] = dict(sorted(matrix.engine_env.items()))
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
-    floor = model.accept_floor.get(matrix.mtp.num_steps) if settings["mtp"] else None
     return Config(name=config_name(settings), matrix=matrix.name, model=settings["model"],
                   settings=settings, args=args, fingerprint=fingerprint.hexdigest()[:16],
-                  scenarios=scenarios, accept_floor=floor)
+                  scenarios=scenarios, accept_floor=matrix.accept_floor(settings["model"], settings))
 
 
 def applies(scenario: str, settings: dict[str, Any]) -> bool:
@@ -566,8 +578,6 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
 @lru_cache(maxsize=64)
 def model_identity(path: str, engine: str) -> str:
     """Shipped or local model directories: name plus a hash of config and weights; other ids as is."""
-    from evalsvc.engines.embedded.paths import shipped_model_dir
-
     local = shipped_model_dir(path) if engine == "embedded" else None
     directory = local or (Path(path) if Path(path).is_dir() else None)
     if directory is None:

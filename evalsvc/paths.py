@@ -1,9 +1,22 @@
-"""Paths built from names a job carries (job ids, matrix, model and config names): always inside
-their root directory."""
+"""Paths: the shipped models and prompts (no heavy imports: the control plane and the embedded
+engine both use this), and paths built from names a job carries (job ids, matrix, model and config
+names), always inside their root directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+MODELS_DIR = ASSETS / "models"
+DEFAULT_MODEL = "hybrid-mamba2-tiny"
+
+
+def shipped_models() -> dict[str, Path]:
+    return {p.name: p for p in sorted(MODELS_DIR.iterdir()) if (p / "config.json").is_file()}
+
+
+def shipped_model_dir(name: str) -> Path | None:
+    return shipped_models().get(name)
 
 
 def inside(root: str | Path, *parts: str | Path) -> Path:

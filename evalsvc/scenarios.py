@@ -28,63 +28,15 @@ its prefix match to ``logprob_start_len``, which is the cached prefix here, so t
 
 from __future__ import annotations
 
-import asyncio
-import json
 import random
-import time
-from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
-import aiohttp
-import httpx
-
-from evalsvc.engines.sglang_server import (
-    ResponseError,
-    build_generate_payload,
-    build_reference_payload,
-    parse_completion,
-)
-from evalsvc.matrix import DEFAULT_CONCURRENCY
+from evalsvc.engines.client import EngineClient, ScenarioError
+from evalsvc.engines.sglang_server import build_generate_payload, build_reference_payload
 from evalsvc.types import Completion, TopLogprobs
 
 TOP_K = 5
-MAX_CONCURRENCY = DEFAULT_CONCURRENCY  # requests in flight unless the workload says otherwise
-# How long a request may take, sized to the work in flight with it: a base, plus an allowance per
-# prompt token and per token to generate of the requests that share the engine (the embedded CPU
-# engine, measured on two loaded cores: about 1 ms a prompt token and 30 ms a decode step; a smoke
-# scenario's batch gets about two minutes, tens of times what it needs)
-REQUEST_BASE_S = 30.0
-PROMPT_TOKEN_S = 0.02
-NEW_TOKEN_S = 0.25
-CONTROL_TIMEOUT_S = 30.0  # /flush_cache, /server_info: no model work
-
-
-class ScenarioError(RuntimeError):
-    """A scenario could not run (the server refused a request, or answered nonsense)."""
-
-
-class EngineTimeout(ScenarioError):
-    """The engine did not answer a request in the time its work allows: it hangs (or is stopped)."""
-
-    def __init__(self, what: str, seconds: float) -> None:
-        self.seconds = seconds
-        super().__init__(f"the engine did not answer {what} in {seconds:.0f} s")
-
-
-def work_seconds(payloads: list[dict], concurrency: int = MAX_CONCURRENCY) -> float:
-    """The time allowed for a request among ``payloads`` sent together (at most ``concurrency`` of
-    them in flight at once): the base plus the allowance for the largest of them."""
-    def cost(p: dict) -> float:
-        sp = p.get("sampling_params")
-        new = sp.get("max_new_tokens", 128) if isinstance(sp, dict) else 128
-        prompt = p.get("input_ids")
-        n = len(prompt) if isinstance(prompt, list) else len(str(p.get("text", "")))
-        return PROMPT_TOKEN_S * n + NEW_TOKEN_S * int(new)
-
-    costs = sorted((cost(p) for p in payloads), reverse=True)[:concurrency]
-    return REQUEST_BASE_S + sum(costs)
 
 
 @dataclass
@@ -100,131 +52,6 @@ class Sample:
     # the extend: logprobs of the prompt tokens after the cached prefix, and the reference's
     extend: list[float] = field(default_factory=list)
     extend_reference: list[float] = field(default_factory=list)
-
-
-T = TypeVar("T")
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to its end from blocking code: on an event loop of its own, in this thread,
-    or in a thread of its own when this one already runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-def _body(payload: dict) -> bytes:
-    """A JSON request body, as httpx writes one (compact, UTF-8, no NaN)."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"),
-                      allow_nan=False).encode()
-
-
-class EngineClient:
-    """HTTP calls to one engine server (SGLang's native API): one request at a time, blocking
-    (httpx), and a batch of ``/generate`` requests with ``concurrency`` of them in flight, on an
-    event loop (aiohttp: httpx's AsyncClient slows down as requests in flight grow, by an order
-    of magnitude at a few hundred; encode/httpx#3215)."""
-
-    def __init__(self, base_url: str, timeout: float = CONTROL_TIMEOUT_S,
-                 draft_tokens: int | None = None, concurrency: int = MAX_CONCURRENCY):
-        """``timeout``: of the requests without model work; a ``/generate`` gets the time its
-        work allows (``work_seconds``). ``concurrency``: the most requests of a batch in flight."""
-        self.base_url = base_url
-        self.http = httpx.Client(base_url=base_url, timeout=timeout)
-        self.timeout = timeout
-        self.draft_tokens = draft_tokens
-        self.concurrency = concurrency
-        self.last_answer = time.monotonic()  # when the engine last answered a request
-        self.timed_out: EngineTimeout | None = None  # the first request it did not answer in time
-
-    def close(self) -> None:
-        self.http.close()
-
-    def _send(self, method: str, path: str, seconds: float, **kw) -> httpx.Response:
-        try:
-            resp = self.http.request(method, path, timeout=seconds, **kw)
-        except httpx.TimeoutException:
-            raise self._timeout(path, seconds) from None
-        self.last_answer = time.monotonic()
-        return resp
-
-    def _timeout(self, path: str, seconds: float) -> EngineTimeout:
-        exc = EngineTimeout(path, seconds)
-        if self.timed_out is None:
-            self.timed_out = exc
-        return exc
-
-    def generate(self, payload: dict, seconds: float | None = None) -> Completion:
-        resp = self._send("POST", "/generate",
-                          work_seconds([payload]) if seconds is None else seconds, json=payload)
-        return self._completion(resp.status_code, resp.content)
-
-    def _completion(self, status: int, body: bytes) -> Completion:
-        if status != 200:
-            text = body.decode("utf-8", errors="replace")
-            raise ScenarioError(f"/generate answered {status}: {text[:300]}")
-        try:
-            return parse_completion(json.loads(body), self.draft_tokens)
-        except (ResponseError, ValueError) as exc:
-            raise ScenarioError(f"/generate: {exc}") from None
-
-    def generate_many(self, payloads: list[dict]) -> list[Completion]:
-        """Each payload's completion, in order; the requests start in order, ``concurrency`` at a
-        time. All are answered (or time out) before the first failure in order is raised."""
-        if not payloads:
-            return []
-        seconds = work_seconds(payloads, self.concurrency)
-        if len(payloads) == 1:
-            return [self.generate(payloads[0], seconds)]
-        return run_async(self._generate_all(payloads, seconds))
-
-    async def _generate_all(self, payloads: list[dict], seconds: float) -> list[Completion]:
-        width = min(self.concurrency, len(payloads))
-        gate = asyncio.Semaphore(width)  # FIFO: the requests start in order
-        # httpx's timeout: the same limit on connecting and between reads, not on the whole
-        timeout = aiohttp.ClientTimeout(sock_connect=seconds, sock_read=seconds)
-        headers = {"content-type": "application/json"}
-        async with aiohttp.ClientSession(
-                self.base_url, connector=aiohttp.TCPConnector(limit=width),
-                timeout=timeout) as session:
-
-            async def one(payload: dict) -> Completion:
-                async with gate:
-                    try:
-                        async with session.post("/generate", data=_body(payload),
-                                                headers=headers) as resp:
-                            status, body = resp.status, await resp.read()
-                    except TimeoutError:
-                        raise self._timeout("/generate", seconds) from None
-                self.last_answer = time.monotonic()
-                return self._completion(status, body)
-
-            done = await asyncio.gather(*(one(p) for p in payloads), return_exceptions=True)
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
-        return done
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Flush the cache; retried while the server still winds down earlier requests."""
-        deadline = time.monotonic() + timeout
-        while True:
-            resp = self._send("POST", "/flush_cache", self.timeout)
-            if resp.status_code == 200:
-                return
-            if time.monotonic() > deadline:
-                raise ScenarioError(f"/flush_cache kept failing: {resp.status_code} {resp.text!r}")
-            time.sleep(0.05)
-
-    def server_info(self) -> dict:
-        for path in ("/server_info", "/get_server_info"):
-            resp = self._send("GET", path, self.timeout)
-            if resp.status_code == 200:
-                return resp.json()
-        raise ScenarioError(f"/server_info answered {resp.status_code}")
 
 
 @dataclass

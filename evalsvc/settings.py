@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Role = Literal["read", "write"]
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
-# the names the single tokens and an open service act under (evalsvc/api/auth.py)
+# the names the single tokens and an open service act under (evalsvc/web/auth.py)
 RESERVED_USER_NAMES = ("api-token", "read-token", "anonymous")
 
 

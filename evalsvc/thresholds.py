@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from evalsvc.matrix import AXES, CONFIGS_DIR, DEFAULTS, SCENARIOS
+from evalsvc.matrix import AXES, CONFIGS_DIR, DEFAULTS, SCENARIOS, Strict
+from evalsvc.validation import describe_errors
 
 THRESHOLDS_FILE = CONFIGS_DIR / "thresholds.yaml"
 MATCH_KEYS = {"matrix", "engine", "config", "model", "scenario"} | (set(AXES) - {"model"})
@@ -40,10 +41,6 @@ MATCH_KEYS = {"matrix", "engine", "config", "model", "scenario"} | (set(AXES) - 
 
 class ThresholdError(ValueError):
     """A thresholds file that cannot be used; the message names the file and the key."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class MetricLimits(Strict):
@@ -138,8 +135,7 @@ def _load(path_text: str, _mtime: int) -> ThresholdsFile:
     try:
         return ThresholdsFile.model_validate(raw)
     except ValidationError as exc:
-        raise ThresholdError(f"{path}: " + "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        raise ThresholdError(f"{path}: {describe_errors(exc)}") from None
 
 
 def matches(match: dict[str, Any], facts: dict[str, Any]) -> bool:

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
+
+from evalsvc.paths import shipped_model_dir
+
+if TYPE_CHECKING:
+    from evalsvc.engines.base import EngineSpec
+    from evalsvc.matrix import MatrixFile
 
 
 class TokenizerError(ValueError):
@@ -15,8 +22,6 @@ class TokenizerError(ValueError):
 @lru_cache(maxsize=16)
 def load_tokenizer(model_path: str, engine: str = "embedded") -> Tokenizer:
     """tokenizer.json of a shipped model (by name), of a local model directory, or from the hub."""
-    from evalsvc.engines.embedded.paths import shipped_model_dir
-
     directory = shipped_model_dir(model_path) if engine == "embedded" else None
     directory = directory or (Path(model_path) if Path(model_path).is_dir() else None)
     if directory is not None:
@@ -33,3 +38,20 @@ def load_tokenizer(model_path: str, engine: str = "embedded") -> Tokenizer:
 
 def encode(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
+
+
+def tokenized(matrix: MatrixFile, spec: EngineSpec, prompts,
+              errors: dict[str, str] | None = None) -> dict[str, list[tuple[str, list[int]]]]:
+    """Prompts as token ids per model key; with ``errors``, a model whose tokenizer cannot be loaded
+    is recorded there (key -> message) instead of raising."""
+    out = {}
+    for key, entry in matrix.models.items():
+        try:
+            tok = load_tokenizer(entry.path, spec.kind)
+        except TokenizerError as exc:
+            if errors is None:
+                raise
+            errors[key] = str(exc)
+            continue
+        out[key] = [(p.id, encode(tok, p.text)) for p in prompts]
+    return out

@@ -1,14 +1,56 @@
-"""Plain data shared by every layer: what one engine response and one evaluated sample look like.
+"""Plain data shared by every layer: what one engine response and one evaluated sample look like,
+the verdicts a run and its scenarios take, and the statuses of a job.
 
 No behaviour beyond small derived properties; logprobs are natural-log, aligned by token position.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, NotRequired, TypedDict
 
-VERDICTS = ("pass", "fail", "inconclusive", "invalid", "error")
+
+class Verdict(StrEnum):
+    """A run's or a scenario's verdict, from best to worst (the order ``worst`` takes): the
+    values are the strings stored and served."""
+
+    PASS = "pass"
+    INCONCLUSIVE = "inconclusive"  # the scenario did not exercise what it measures
+    FAIL = "fail"
+    INVALID = "invalid"  # the engine did not run what was asked
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+VERDICT_ORDER = tuple(Verdict)  # best first
+
+
+def worst(scenarios: Iterable[tuple[str, str, str | None]]) -> tuple[Verdict, str | None]:
+    """The worst verdict of ``(name, verdict, reason)`` triples (pass for none) and, when it is
+    not a pass, its reason: ``"NAME: REASON"`` of the first that has it; None for a pass."""
+    items = list(scenarios)
+    if not items:
+        return Verdict.PASS, None
+    verdict = max((Verdict(v) for _, v, _ in items), key=VERDICT_ORDER.index)
+    if verdict == Verdict.PASS:
+        return verdict, None
+    name, _, reason = next(s for s in items if s[1] == verdict)
+    return verdict, f"{name}: {reason}"
+
+
+class JobStatus(StrEnum):
+    """A job's status: the values are the strings stored and served."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED_JOB_STATUSES = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
 @dataclass
@@ -53,6 +95,58 @@ class Completion:
     host_cached_tokens: int = 0
 
 
+class SampleScalars(TypedDict):
+    """One sample's scalars, the columns of its row in the store (``Sample``): token counts, the
+    means and maxima over its generated tokens of the KL estimators (nats), the index of the first
+    token whose logprobs differ from the reference's (None: none), the same of the extend (the
+    prompt tokens prefilled on a cached prefix, against a cold prefill; None without any)."""
+
+    prompt_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    host_cached_tokens: int
+    completion_tokens: int
+    hit: bool
+    kl_k1_mean: float
+    kl_k2_mean: float
+    kl_k3_mean: float
+    kl_k3_max: float
+    topk_kl_mean: NotRequired[float]  # with both sides' top-k lists
+    same_top_rate: NotRequired[float]
+    first_divergence: int | None
+    accept_length: float | None  # completion tokens per verify step (speculative decoding)
+    extend_tokens: int
+    extend_kl_k3_mean: float | None
+    extend_kl_k3_max: float | None
+
+
+class SampleTokens(TypedDict):
+    """One sample's per-token lists, kept in the run's Parquet file: the output ids, both sides'
+    logprobs (natural log, aligned by position), and per position both sides' top-k ids and
+    logprobs (None without them)."""
+
+    output_ids: list[int]
+    decode_logprobs: list[float]
+    reference_logprobs: list[float]
+    decode_top_ids: list[list[int]] | None
+    decode_top_logprobs: list[list[float | None]] | None
+    reference_top_ids: list[list[int]] | None
+    reference_top_logprobs: list[list[float | None]] | None
+    extend_logprobs: list[float]
+    extend_reference_logprobs: list[float]
+
+
+class SampleRow(SampleScalars, SampleTokens):
+    """One evaluated sample, as ``harness.score`` makes it."""
+
+    sample_id: str
+
+
+# the keys of each part, in the order the store and the Parquet file take them
+SAMPLE_FIELDS = tuple(SampleScalars.__annotations__)
+TOKEN_FIELDS = tuple(SampleTokens.__annotations__)
+
+
 @dataclass
 class ScenarioResult:
     """One scenario of one run: its verdict, scalar metrics and a row per sample."""
@@ -61,7 +155,7 @@ class ScenarioResult:
     verdict: str
     reason: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)
     seconds: float = 0.0
 
 

@@ -1,34 +1,6 @@
-"""Verdicts: each metric of each scenario of a run, judged, with its evidence; regressions opened
-and closed from them.
-
-A metric is judged in this order, and the first rule that decides wins:
-
-1. coverage: a scenario that did not hit the cache as much as its limit asks is ``inconclusive``,
-   never a pass;
-2. fixed limits (``configs/thresholds.yaml``): bit-exactness under deterministic inference, the KL
-   maximum, the acceptance floor;
-3. history: the contender's per-sample values against those of the fingerprint's earlier runs
-   (same patch set, before it in commit order, not themselves flagged), which share its prompts
-   and seeds (``metrics.stats.paired_shift``):
-
-   * location: per sample (the same prompt), the contender's value minus the baseline runs' mean
-     for it, and Student's interval on the mean difference, for KL on the log scale (Welch's
-     between the groups when samples cannot be paired); a regression needs the interval to
-     exclude no change (statistically clear) and the mean difference to exceed the effect floor
-     (large enough to matter); an improvement the same the other way;
-   * tail, for metrics whose thresholds ask for it (teacher-forced extend KL, greedy
-     acceptance): samples far out in the bad direction (a robust z past a Bonferroni bound,
-     against the baseline's distribution of every sample for KL, against the pairs for
-     acceptance), each by more than the effect floor (and ``tail_factor`` times the baseline's
-     median sample), are a regression too: a bug that strikes a few requests hard moves no mean;
-4. change point: the series of per-run values, the contender last, searched for one lasting shift
-   in the mean (a permutation test); a significant shift of at least the effect floor in the bad
-   direction, with the contender after it, is a regression too.
-
-KL (higher is worse) and acceptance length (lower is worse) are judged on their own: an unchanged
-KL says nothing about an MTP config's acceptance. Each metric is also judged over the run's
-conclusive scenarios together (``pooled``: the hit scenarios for KL, all with acceptance for it;
-history only), as one defect acts in several and their samples pooled make the test sharper.
+"""Verdicts, the store side: each metric of each scenario of a recorded run judged (the rules are
+``evalsvc.judging``'s) against the baseline its earlier runs make, the verdicts stored; regressions
+opened and closed from them.
 
 Regressions are tracked per series (fingerprint, patch set, scenario, metric) for jobs that ask
 for it (nightly): the first flagged run opens one, later flagged runs extend it, and the next run
@@ -39,17 +11,25 @@ commits never do.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
-from evalsvc.harness import worst
-from evalsvc.matrix import SCENARIOS
-from evalsvc.metrics.stats import change_point, paired_shift
+from evalsvc.judging import (
+    HIT_SCENARIOS,
+    METRICS,
+    POOLED,
+    Judgement,
+    Series,
+    after_history,
+    judge_metric,
+    scenario_limits,
+)
+from evalsvc.matrix import SCENARIOS, Config, MatrixFile
 from evalsvc.store.models import (
     Build,
     Commit,
@@ -60,163 +40,11 @@ from evalsvc.store.models import (
     Verdict,
     utcnow,
 )
-from evalsvc.thresholds import HistorySettings, Limits, ThresholdsFile, limits_for, load_thresholds
+from evalsvc.thresholds import Limits, ThresholdsFile, load_thresholds
+from evalsvc.types import worst
 
 log = logging.getLogger("evalsvc.verdicts")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-# metric -> +1 when higher is worse, -1 when lower is worse
-METRICS = {"kl_k3_mean": 1, "extend_kl_k3_mean": 1, "accept_length": -1}
-LABELS = {"kl_k3_mean": "mean KL (k3)", "extend_kl_k3_mean": "extend KL (k3)",
-          "accept_length": "accept length"}
-LOG_SCALE = {"kl_k3_mean", "extend_kl_k3_mean"}  # positive, heavy-tailed, multiplied by a bug
-# the verdicts of a run's scenarios judged together ("scenario" of those verdicts and regressions)
-POOLED = "pooled"
-HIT_SCENARIOS = ("prefill_hit", "decode_hit", "branching", "host_tier")
-
-
-@dataclass
-class Judgement:
-    scenario: str
-    metric: str
-    verdict: str  # pass | regression | improvement | inconclusive
-    method: str  # coverage | threshold | bit_exact | history | change_point
-    value: float | None = None
-    baseline: float | None = None
-    diff_low: float | None = None
-    diff_high: float | None = None
-    threshold: float | None = None
-    p_value: float | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-    reason: str = ""
-
-
-@dataclass
-class Series:
-    """A series' earlier runs that form the baseline, oldest first."""
-
-    run_ids: list[int] = field(default_factory=list)
-    values: list[float] = field(default_factory=list)  # the scenario's metric per run
-    samples: list[dict[str, float]] = field(default_factory=list)  # sample id -> value, per run
-
-
-def judge_metric(scenario: str, metric: str, value: float | None, samples: dict[str, float],
-                 limits: Limits, history: Series, settings: HistorySettings, *,
-                 coverage: float | None = None, exact_fraction: float | None = None
-                 ) -> Judgement | None:
-    """One metric of one scenario (``samples``: the contender's value per sample id); None when
-    the scenario has no such metric."""
-    if value is None:
-        return None
-    sign = METRICS[metric]
-    label = LABELS[metric]
-    j = Judgement(scenario, metric, "pass", "threshold", value=value)
-    need = limits.min_hit_coverage
-    if coverage is not None and (coverage < need or (need > 0 and coverage == 0)):
-        j.verdict, j.method, j.threshold = "inconclusive", "coverage", need
-        j.evidence = {"hit_coverage": coverage}
-        j.reason = f"hit coverage {coverage:.2f} below {need:.2f}: the cache path was not exercised"
-        return j
-    lim = getattr(limits, metric)
-    if sign > 0 and limits.bit_exact:
-        exact = 1.0 if exact_fraction is None or metric != "kl_k3_mean" else exact_fraction
-        j.method, j.threshold, j.evidence = "bit_exact", 0.0, {"bit_exact_fraction": exact}
-        if value > 0 or exact < 1.0:
-            j.verdict = "regression"
-            j.reason = (f"not bit-exact under deterministic inference: {label} {value:.3g}, "
-                        f"{exact:.1%} of tokens exact")
-            return j
-    elif sign > 0 and lim.max is not None and value > lim.max:
-        j.verdict, j.threshold = "regression", lim.max
-        j.reason = f"{label} {value:.3g} above the limit {lim.max:.3g}"
-        return j
-    elif sign < 0 and lim.min is not None and scenario == "speculative" and value < lim.min:
-        j.verdict, j.threshold = "regression", lim.min
-        j.reason = f"{label} {value:.3f} below the floor {lim.min:.3f}"
-        return j
-    if j.method == "threshold":
-        j.threshold = lim.max if sign > 0 else lim.min
-    return _judge_history(j, samples, limits, history, settings)
-
-
-def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, history: Series,
-                   settings: HistorySettings) -> Judgement:
-    sign, label = METRICS[j.metric], LABELS[j.metric]
-    base_runs = history.run_ids[-settings.window:]
-    j.evidence["history_runs"] = len(history.run_ids)
-    if len(base_runs) < settings.min_runs:
-        j.evidence["history"] = f"{len(base_runs)} earlier run(s), {settings.min_runs} needed"
-        return j
-    window = history.samples[-settings.window:]
-    base = np.array([v for run in window for v in run.values()])
-    if len(samples) < 2 or base.size < 2:
-        j.evidence["history"] = f"too few samples ({len(samples)} against {base.size})"
-        return j
-    lim = getattr(limits, j.metric)
-    log_floor = tail_floor = None
-    if j.metric in LOG_SCALE:  # values far below the smallest change that matters are alike
-        least = max(lim.min_effect or 0.0, 1e-30)
-        log_floor = max(float(np.median(base)), least)
-        tail_floor = max(float(np.quantile(base, 0.1)), least)
-    # a KL averaged over an extend varies little from prompt to prompt and more from run to run
-    # (its chunk grid follows the batch): its tail is judged against the baseline's distribution;
-    # greedy acceptance repeats per prompt: against the pairs
-    shift = paired_shift(samples, window, confidence=settings.confidence, log_floor=log_floor,
-                         tail=sign if lim.tail else 0, tail_floor=tail_floor,
-                         tail_against="distribution" if j.metric in LOG_SCALE else "pairs")
-    floor = limits.effect_floor(j.metric, float(base.mean()))
-    j.method, j.baseline = "history", float(np.mean(history.values[-settings.window:]))
-    j.diff_low, j.diff_high, j.threshold, j.p_value = shift.low, shift.high, floor, shift.p
-    j.evidence.update({"baseline_runs": base_runs, "n": len(samples), "pairs": shift.n,
-                       "n_baseline": int(base.size), "confidence": settings.confidence,
-                       "test": "paired_t" if shift.test == "paired" else shift.test,
-                       "scale": shift.scale, "diff": shift.diff,
-                       "location_interval": [shift.location_low, shift.location_high]})
-    worse_low = shift.location_low if sign > 0 else -shift.location_high
-    better_high = shift.location_high if sign > 0 else -shift.location_low
-    worse = sign * shift.diff
-    if worse_low > 0 and worse > floor:
-        j.verdict = "regression"
-        j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g} over {len(base_runs)} "
-                    f"earlier runs: difference [{shift.low:.3g}, {shift.high:.3g}] at "
-                    f"{settings.confidence:.1%}, a change beyond the effect floor {floor:.3g}")
-        return j
-    if shift.tail_p is not None:
-        least = (lim.tail_factor or 0.0) * float(np.median(base))  # an order of magnitude, say
-        far = [o for o in shift.outliers if sign * (o[1] - o[2]) > floor and o[1] >= least]
-        j.evidence["tail"] = {"p_value": shift.tail_p, "z_bound": shift.tail_z,
-                              "outliers": [list(o) for o in far[:10]]}
-        if far and shift.tail_p <= 1.0 - settings.confidence:
-            sid, c, b, z = max(far, key=lambda o: o[3])
-            j.verdict, j.p_value = "regression", shift.tail_p
-            j.evidence["test"] = "tail"
-            j.reason = (f"{label}: {len(far)} of {shift.n} samples far beyond their baseline "
-                        f"(the farthest, {sid}: {c:.3g} against {b:.3g}, z = {z:.1f} past "
-                        f"{shift.tail_z:.1f}; p = {shift.tail_p:.2g}), each beyond the effect "
-                        f"floor {floor:.3g}")
-            return j
-    if better_high < 0 and -worse > floor:
-        j.verdict = "improvement"
-        j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g}: difference "
-                    f"[{shift.low:.3g}, {shift.high:.3g}]")
-        return j
-    series = [*history.values[-(settings.change_point_window - 1):], j.value]
-    if len(series) >= settings.change_point_min_runs:
-        cp = change_point(series, permutations=settings.permutations)
-        if cp is not None:
-            shift = cp["after"] - cp["before"]
-            floor_cp = limits.effect_floor(j.metric, cp["before"])
-            offset = len(history.values) - (len(series) - 1)  # series[0] is values[offset]
-            first = (history.run_ids[offset + cp["index"]] if cp["index"] < len(series) - 1
-                     else None)  # None: the contender itself
-            j.evidence["change_point"] = {**cp, "first_run_id": first}
-            if cp["p_value"] <= settings.change_point_alpha and sign * shift > floor_cp:
-                j.verdict, j.method, j.p_value, j.threshold = ("regression", "change_point",
-                                                               cp["p_value"], floor_cp)
-                j.reason = (f"{label} shifted from {cp['before']:.4g} to {cp['after']:.4g} "
-                            f"{len(series) - cp['index']} runs ago (p = {cp['p_value']:.2g})")
-    return j
-
 
 # ---- the store side --------------------------------------------------------------------------
 
@@ -342,22 +170,29 @@ def judge_pooled(session: Session, run: Run, candidates: list[Run], metric: str,
     return j
 
 
-def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile) -> Limits:
-    """The limits in force for a run's config and a scenario, from the job's matrix."""
-    spec = run.job.spec or {}
-    matrix = spec.get("matrix") if isinstance(spec.get("matrix"), dict) else {}
-    model = (matrix.get("models") or {}).get(run.model) or {}
-    floor = None
-    if (run.settings or {}).get("mtp"):
-        steps = (matrix.get("mtp") or {}).get("num_steps", 3)
-        floors = model.get("accept_floor") or {}
-        floor = floors.get(steps, floors.get(str(steps)))
-    return limits_for(matrix=run.matrix, engine=spec.get("engine") or matrix.get("engine")
-                      or "embedded", config=run.config, model=run.model,
-                      settings=run.settings or {}, scenario=scenario, thresholds=thresholds,
-                      matrix_thresholds={k: v for k, v in (matrix.get("thresholds") or {}).items()
-                                         if v is not None},
-                      accept_floor=floor)
+def run_matrix(run: Run) -> MatrixFile | None:
+    """The matrix of a run's job, from its spec; None when the spec has none it can read."""
+    raw = (run.job.spec or {}).get("matrix")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return MatrixFile.model_validate(raw)
+    except ValidationError:
+        return None
+
+
+def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile,
+               matrix: MatrixFile | None = None) -> Limits:
+    """The limits in force for a run's config and a scenario (``judging.scenario_limits``), on
+    the job's engine, with the job's matrix (``run_matrix`` unless given)."""
+    matrix = matrix if matrix is not None else run_matrix(run)
+    settings = run.settings or {}
+    config = Config(name=run.config, matrix=run.matrix, model=run.model, settings=settings,
+                    args=run.requested_args or {}, fingerprint=run.fingerprint, scenarios=(),
+                    accept_floor=(matrix.accept_floor(run.model, settings)
+                                  if matrix is not None else None))
+    return scenario_limits(config, matrix, scenario, engine=(run.job.spec or {}).get("engine"),
+                           thresholds=thresholds)
 
 
 def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None = None
@@ -393,37 +228,40 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
         session.add(v)
         out.append(v)
 
+    matrix = run_matrix(run)
     for scen_row in run.scenarios:
         m = metrics.get(scen_row.scenario)
         if not m or scen_row.verdict == "error":
             continue
-        limits = run_limits(run, scen_row.scenario, thresholds)
+        limits = run_limits(run, scen_row.scenario, thresholds, matrix)
+        judged = []
         for metric in METRICS:
             series = baseline_series(session, run, candidates, scen_row.scenario, metric)
             j = judge_metric(scen_row.scenario, metric, m.get(metric),
                              samples.get((scen_row.scenario, metric), {}),
                              limits, series, hs, coverage=m.get("hit_coverage"),
                              exact_fraction=m.get("bit_exact_fraction"))
-            if j is None:
-                continue
-            add(j)
-            if j.verdict == "regression" and scen_row.verdict == "pass":
-                scen_row.verdict, scen_row.reason = "fail", j.reason
-    reasons = {s.scenario: (s.verdict, s.reason) for s in run.scenarios}
+            if j is not None:
+                add(j)
+                judged.append(j)
+        verdict, reason = after_history(scen_row.verdict, scen_row.reason, judged)
+        if verdict != scen_row.verdict:
+            scen_row.verdict, scen_row.reason = verdict, reason
+    reasons = [(s.scenario, s.verdict, s.reason) for s in run.scenarios]
+    pooled = None
     for metric in METRICS:
         j = judge_pooled(session, run, candidates, metric, samples, thresholds)
         if j is not None:
             add(j)
-            if j.verdict == "regression":
-                reasons.setdefault(POOLED, ("fail", f"{', '.join(j.evidence['scenarios'])} "
-                                                    f"together: {j.reason}"))
-    verdicts = [v for v, _ in reasons.values()]
-    if verdicts and run.verdict not in ("invalid", "cancelled"):
-        run.verdict = worst(verdicts)
-        if run.verdict != "pass":
-            scenario, (_, reason) = next((k, r) for k, r in reasons.items()
-                                         if r[0] == run.verdict)
-            run.reason = f"{scenario}: {reason}"
+            if j.verdict == "regression" and pooled is None:
+                pooled = (POOLED, "fail", f"{', '.join(j.evidence['scenarios'])} together: "
+                                          f"{j.reason}")
+    if pooled is not None:
+        reasons.append(pooled)
+    if reasons and run.verdict not in ("invalid", "cancelled"):
+        run.verdict, reason = worst(reasons)
+        if reason is not None:
+            run.reason = reason
     session.flush()
     return out
 

@@ -1,4 +1,4 @@
-"""The scenario client (``scenarios.EngineClient``) on a server of the test's own: a batch goes out
+"""The scenario client (``engines.client.EngineClient``) on a server of the test's own: a batch goes out
 with the workload's concurrency, in order; answers come back in order; the first failure in order
 is raised once every request is answered; a request past its time is an EngineTimeout the client
 remembers. And the setting: the default leaves the workload version as it was."""
@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from benchmarks.client import response_body
+from evalsvc.engines.client import EngineClient, EngineTimeout, ScenarioError, work_seconds
 from evalsvc.matrix import DEFAULT_CONCURRENCY, WorkloadSpec, load_matrix
-from evalsvc.scenarios import EngineClient, EngineTimeout, ScenarioError, work_seconds
 from evalsvc.workloads import load_prompts, workload_version
 
 
@@ -102,11 +102,11 @@ def test_the_first_failure_in_order_is_raised_after_all_are_answered(server: Ser
 
 def test_a_request_past_its_time_is_an_engine_timeout(server: Server,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import evalsvc.scenarios as scenarios
+    import evalsvc.engines.client as engine_client
 
-    monkeypatch.setattr(scenarios, "REQUEST_BASE_S", 1.0)
-    monkeypatch.setattr(scenarios, "NEW_TOKEN_S", 0.0)
-    monkeypatch.setattr(scenarios, "PROMPT_TOKEN_S", 0.0)
+    monkeypatch.setattr(engine_client, "REQUEST_BASE_S", 1.0)
+    monkeypatch.setattr(engine_client, "NEW_TOKEN_S", 0.0)
+    monkeypatch.setattr(engine_client, "PROMPT_TOKEN_S", 0.0)
     client = EngineClient(f"http://127.0.0.1:{server.server_port}", concurrency=8)
     t0 = time.monotonic()
     try:

@@ -29,11 +29,11 @@ from rich.console import Console
 
 from evalsvc import harness
 from evalsvc.engines.base import EngineSpec
-from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.engines.launch import EngineProcess
 from evalsvc.evaluate import evaluate, prepare
 from evalsvc.harness import RunResult, run_config
 from evalsvc.matrix import Config, MatrixError, MatrixFile, expand, load_matrix
+from evalsvc.paths import MODELS_DIR
 from tests.processes import assert_gone, marked_processes, wait_no_processes
 
 DATA = Path(__file__).parent / "data"
@@ -446,7 +446,7 @@ def test_engine_stopped_at_start_is_an_error_at_the_deadline(tmp_path, no_engine
 def test_request_timeouts_are_sized_to_the_work(tmp_path, no_engine_left_behind):
     """A stopped engine under the default deadline: the request it does not answer times out after
     the time its work allows (far below the old 600 s), and the run says so."""
-    from evalsvc.scenarios import work_seconds
+    from evalsvc.engines.client import work_seconds
 
     matrix, configs = load(tmp_path / "m.yaml", {**EMBEDDED, "include": [{"strategy": "auto"}]})
     frozen, pids = threading.Event(), []

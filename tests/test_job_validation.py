@@ -15,7 +15,7 @@ import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.engines.base import EngineSpec, engine_command
 from evalsvc.engines.sglang_server import build_command
 from evalsvc.paths import inside

@@ -8,33 +8,18 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
-from pydantic import AfterValidator, BaseModel, Field
-from sqlalchemy import select
+from pydantic import BaseModel, Field
 
-from evalsvc.api.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
-from evalsvc.api.middleware import unstorable
 from evalsvc.bisect import BisectCreate
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import audit, queries
-from evalsvc.store.models import Bisection, Job, Regression, Run
+from evalsvc.store.models import Bisection, Job, Regression
 from evalsvc.verdicts import compare_builds
+from evalsvc.web.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
+from evalsvc.web.params import JobId, RunId, StorableText, TriageUpdate
 
 router = APIRouter(dependencies=[Depends(require_read)])
-JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-RunId = Annotated[int, Path(ge=1, le=2**31 - 1)]
-
-
-def _storable(value: str | None) -> str | None:
-    """Text both SQLite and PostgreSQL store (query and path parameters are checked by the
-    middleware before any route runs; body texts here)."""
-    why = unstorable(value) if value is not None else None
-    if why:
-        raise ValueError(why)
-    return value
-
-
-StorableText = AfterValidator(_storable)
 
 
 class JobPublic(BaseModel):
@@ -95,12 +80,8 @@ def read_jobs(session: SessionDep,
               trigger: Annotated[str | None, Query(max_length=20)] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobPublic]:
     """Jobs, newest first, filtered by status and trigger."""
-    q = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
-    if status is not None:
-        q = q.where(Job.status == status)
-    if trigger is not None:
-        q = q.where(Job.trigger == trigger)
-    return [_public(j) for j in session.scalars(q)]
+    return [_public(j) for j in queries.find_jobs(session, status=status, trigger=trigger,
+                                                  limit=limit)]
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail, tags=["jobs"])
@@ -152,7 +133,7 @@ def read_commit_results(ref: Annotated[str, Path(max_length=300)], session: Sess
     if build is None:
         raise HTTPException(status_code=404, detail=f"no build of {ref!r} with patch set "
                                                     f"{patch_set!r}")
-    runs = session.scalars(select(Run.id).where(Run.build_id == build.id).order_by(Run.id)).all()
+    runs = queries.build_run_ids(session, build.id)
     return {"commit": ref, "patch_set": patch_set,
             "runs": [queries.run_detail(session, rid) for rid in runs]}
 
@@ -247,15 +228,6 @@ def create_golden(body: GoldenCreate, session: SessionDep) -> dict[str, Any]:
     except KeyError:
         raise HTTPException(status_code=404, detail=f"no run {body.run_id}") from None
     return {"fingerprint": g.fingerprint, "run_id": g.run_id, "label": g.label}
-
-
-class TriageUpdate(BaseModel):
-    model_config = {"extra": "forbid"}
-
-    triage: Literal["acknowledged", "expected", "fixed"] | None = Field(
-        ..., description="acknowledged: being looked at; expected: an intended change (its level "
-                         "becomes the new baseline); fixed: a fix is in; null: untriaged")
-    comment: Annotated[str | None, StorableText] = Field(None, max_length=4000)
 
 
 @router.get("/regressions", tags=["verdicts"])

@@ -4,7 +4,7 @@ The control plane never imports sglang. ``ensure_sglang_env("0.5.23")`` returns 
 virtualenv that holds ``sglang==0.5.23`` (installed ``--no-deps``: the wheel's own requirements pull
 CUDA kernels, flashinfer and a CUDA torch) plus the pure-Python packages that SGLang's argument
 parser, its server-argument resolution and ``io_struct.GenerateReqInput`` import, on the CPU build
-of torch. ``evalsvc/builds/sglang_check.py`` then runs under that python.
+of torch. ``tests/engines/sglang_check.py`` then runs under that python.
 
 What gets installed, and why (found by importing those modules in a bare env, for 0.5.13 and 0.5.23):
 

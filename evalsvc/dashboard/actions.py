@@ -18,15 +18,16 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
-from evalsvc.api.auth import Accounts, User, csrf_matches
-from evalsvc.api.deps import ServicesDep, SessionDep, current_user, require_read
-from evalsvc.api.middleware import WRITES_OFF, read_only
-from evalsvc.api.routes import JobId, RunId, TriageUpdate
 from evalsvc.bisect import BisectCreate
 from evalsvc.dashboard.views import job_form, page, problem, regression_page
 from evalsvc.jobs import BuildSpec, JobCreate, JobError
 from evalsvc.store import queries
 from evalsvc.store.audit import Actor
+from evalsvc.validation import describe_errors
+from evalsvc.web.auth import Accounts, User, csrf_matches
+from evalsvc.web.deps import ServicesDep, SessionDep, current_user, require_read
+from evalsvc.web.middleware import WRITES_OFF, read_only
+from evalsvc.web.params import JobId, RunId, TriageUpdate
 
 log = logging.getLogger("evalsvc.dashboard")
 VIA = "dashboard"
@@ -79,11 +80,6 @@ router = APIRouter(dependencies=[Depends(require_read)], include_in_schema=False
 
 def _actor(user: User) -> Actor:
     return Actor(user.name, VIA)
-
-
-def _errors(exc: ValidationError) -> str:
-    """A pydantic error as the API's 422s put it: each field's path and what is wrong there."""
-    return "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
 
 
 def _next(target: str | None) -> str:
@@ -146,7 +142,7 @@ def create_triage_form(regression_id: RunId, request: Request, session: SessionD
     try:
         body = TriageUpdate(triage=triage or None, comment=comment.strip() or None)
     except ValidationError as exc:
-        return regression_page(request, session, regression_id, 422, error=_errors(exc),
+        return regression_page(request, session, regression_id, 422, error=describe_errors(exc),
                                comment=comment)
     try:  # committed before the redirect is answered (the page it leads to shows the triage)
         with services.store.session() as s:
@@ -214,7 +210,7 @@ def create_job_form(request: Request, services: ServicesDep, user: FormUser,
                          workload={"num_prompts": prompts} if prompts is not None else None,
                          track=bool(track), priority=rank)
     except ValidationError as exc:
-        return refused(_errors(exc))
+        return refused(describe_errors(exc))
     try:
         job_id = services.jobs.submit(body, trigger=TRIGGER, actor=_actor(user))
     except JobError as exc:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from evalsvc.metrics import token_kl
+from evalsvc.paths import shipped_model_dir
 from evalsvc.tokenization import TokenizerError, load_tokenizer
 
 KL_FLOOR = 1e-12  # per-token k3 at or below this is coloured as no divergence
@@ -29,8 +30,6 @@ def read_sample(path: str | Path, scenario: str, sample_id: str) -> dict[str, An
 def token_texts(model_path: str | None, ids: list[int]) -> list[str] | None:
     """Each token id as text, with the tokenizer of a shipped model or a local model directory;
     None when there is none here (a hub model is never fetched for a page)."""
-    from evalsvc.engines.embedded.paths import shipped_model_dir
-
     if not model_path or (shipped_model_dir(model_path) is None and not Path(model_path).is_dir()):
         return None
     try:

@@ -21,19 +21,19 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
-from sqlalchemy import case, func, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
-from evalsvc.api.auth import csrf_token
-from evalsvc.api.deps import SessionDep, current_user, require_read
-from evalsvc.api.routes import JobId, RunId
 from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
 from evalsvc.store import audit, queries
-from evalsvc.store.models import Bisection, Build, Commit, Regression, Run, Sample
+from evalsvc.store.models import Bisection, Regression
 from evalsvc.thresholds import limits_for
+from evalsvc.types import FINISHED_JOB_STATUSES
 from evalsvc.verdicts import compare_builds
+from evalsvc.web.auth import csrf_token
+from evalsvc.web.deps import SessionDep, current_user, require_read
+from evalsvc.web.params import JobId, RunId
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
@@ -44,7 +44,7 @@ TREND_METRICS = ("kl_k3_mean", "extend_kl_k3_mean", "kl_k1_mean", "kl_k2_mean", 
                  "kl_k3_max", "topk_kl_mean", "same_top_rate", "hit_coverage", "accept_length")
 LOG_METRICS = {"kl_k3_mean", "extend_kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_p99",
                "kl_k3_max", "topk_kl_mean"}
-FINISHED = ("done", "failed", "cancelled")
+FINISHED = FINISHED_JOB_STATUSES
 LOG_TAIL_BYTES = 8_000
 PAGE_SIZE = 100
 # compare verdicts, worst first: the order of the compare page
@@ -204,7 +204,7 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
                "metrics": TREND_METRICS}
     return page(request, "overview.html", title="Overview", latest=latest, scenarios=shown,
                 trends=trends, filters=filters, choices=choices,
-                open_regressions=open_regression_counts(session))
+                open_regressions=queries.open_regression_counts(session))
 
 
 # ---- commits and jobs ----------------------------------------------------------------------
@@ -239,7 +239,7 @@ def read_jobs_page(request: Request, session: SessionDep,
 def source_of(session: Session, ref: str | None) -> str:
     """The build source that makes a stored commit again, for the job form: ``git:REPO@SHA``,
     ``sglang==VERSION``, ``path:DIR``, or "" (the embedded engine as installed, or unknown)."""
-    commit = session.scalar(select(Commit).where(Commit.ref == ref)) if ref else None
+    commit = queries.find_commit(session, ref) if ref else None
     if commit is None or commit.repository == EMBEDDED_REPOSITORY:
         return ""
     if commit.sha:
@@ -379,7 +379,7 @@ def read_job_page(job_id: JobId, request: Request, session: SessionDep) -> HTMLR
 @router.get("/runs/{run_id}")
 def read_run_page(run_id: RunId, request: Request, session: SessionDep) -> HTMLResponse:
     """A run: its place on its job's page."""
-    job_id = session.scalar(select(Run.job_id).where(Run.id == run_id))
+    job_id = queries.run_job_id(session, run_id)
     if job_id is None:
         return problem(request, 404, f"no run {run_id}")
     url = request.url_for("read_job_page", job_id=job_id)
@@ -434,8 +434,7 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
     new_job = None
     user = current_user(request)
     if user is not None and user.can_write:  # the same comparison again, or on fewer configs
-        matrices = session.scalars(select(Run.matrix).where(
-            Run.id.in_([r["contender_run"] for r in rows]))).all()
+        matrices = queries.run_matrices(session, [r["contender_run"] for r in rows])
         new_job = job_form(matrices[0] if matrices else None,
                            dict.fromkeys(r["config"] for r in rows),
                            [(source_of(session, baseline), baseline_patches),
@@ -447,34 +446,12 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
 
 # ---- regressions and bisections ------------------------------------------------------------
 
-def open_regression_counts(session: Session) -> dict[str, int]:
-    """How many regressions are open, and how many of them nobody has triaged yet."""
-    total, untriaged = session.execute(
-        select(func.count(Regression.id),
-               func.coalesce(func.sum(case((Regression.triage.is_(None), 1), else_=0)), 0))
-        .where(Regression.state == "open")).one()
-    return {"open": total, "untriaged": untriaged}
-
-
 def regression_rows(session: Session, limit: int = REGRESSIONS_SHOWN) -> list[dict[str, Any]]:
     """``queries.regressions``, open first, with the runs they point at (and their builds and
     commits) loaded up front instead of one by one, and each one's bisections."""
-    runs = [selectinload(rel).selectinload(Run.build).selectinload(Build.commit)
-            for rel in (Regression.first_run, Regression.last_run, Regression.last_good_run,
-                        Regression.resolved_run)]
-    found = session.scalars(
-        select(Regression).options(*runs)
-        .order_by((Regression.state == "open").desc(), Regression.opened_at.desc(),
-                  Regression.id.desc()).limit(limit)).all()
-    rows = [queries.regression_dict(session, r) for r in found]
-    bisections: dict[int, list[dict[str, Any]]] = {r["id"]: [] for r in rows}
-    if rows:
-        for b in session.execute(select(Bisection.id, Bisection.regression_id, Bisection.status,
-                                        Bisection.first_bad)
-                                 .where(Bisection.regression_id.in_(list(bisections)))
-                                 .order_by(Bisection.created_at)):
-            bisections[b.regression_id].append({"id": b.id, "status": b.status,
-                                                "first_bad": b.first_bad})
+    rows = [queries.regression_dict(session, r)
+            for r in queries.regressions_with_runs(session, limit)]
+    bisections = queries.regression_bisections(session, [r["id"] for r in rows])
     triaged_by = audit.last_triage_by(session, [r["id"] for r in rows])
     for r in rows:
         r["bisections"] = bisections[r["id"]]
@@ -511,10 +488,7 @@ def regression_page(request: Request, session: Session, regression_id: int,
     if r is None:
         return problem(request, 404, f"no regression {regression_id}")
     row = queries.regression_dict(session, r)
-    row["bisections"] = [{"id": b.id, "status": b.status, "first_bad": b.first_bad}
-                         for b in session.scalars(select(Bisection)
-                                                  .where(Bisection.regression_id == r.id)
-                                                  .order_by(Bisection.created_at))]
+    row["bisections"] = queries.regression_bisections(session, [r.id])[r.id]
     targets = [("regression", r.id), *(("bisection", b["id"]) for b in row["bisections"])]
     return page(request, "regression.html", status_code, title=f"Regression #{r.id}", r=row,
                 triage_values=TRIAGE, history=audit.history(session, targets),
@@ -578,10 +552,7 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
     run = queries.run_detail(session, run_id)
     if run is None:
         return problem(request, 404, f"no run {run_id}")
-    q = select(Sample).where(Sample.run_id == run_id, Sample.sample_id == sample_id)
-    if scenario:
-        q = q.where(Sample.scenario == scenario)
-    found = session.scalars(q).all()
+    found = queries.find_samples(session, run_id, sample_id, scenario)
     if not found:
         return problem(request, 404, f"run {run_id} has no sample {sample_id!r}"
                        + (f" in scenario {scenario}" if scenario else ""))

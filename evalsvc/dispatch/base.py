@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import BaseModel, ConfigDict, TypeAdapter
+
 from evalsvc.builds.build import BuildError, installed_version, make_build
 from evalsvc.engines.base import EngineSpec
 from evalsvc.harness import RunControl, run_config, run_timeout
@@ -47,25 +49,29 @@ class RunTask:
     def make(cls, job_id: str, run_id: int, matrix: MatrixFile, config: Config, spec: EngineSpec,
              prompts: list[tuple[str, list[int]]], log_dir: Path,
              build: dict[str, Any] | None = None,
-             run_timeout_s: float | None = None) -> RunTask:
-        """``run_timeout_s``: the service's default deadline (the matrix's own wins)."""
-        return cls(job_id, run_id, matrix.model_dump(mode="json"), asdict(config), asdict(spec),
+             run_timeout_s: float | None = None,
+             matrix_json: dict[str, Any] | None = None) -> RunTask:
+        """``run_timeout_s``: the service's default deadline (the matrix's own wins);
+        ``matrix_json``: the matrix as plain data already (a stored job's), not made again."""
+        if matrix_json is None:
+            matrix_json = matrix.model_dump(mode="json")
+        return cls(job_id, run_id, matrix_json, asdict(config), asdict(spec),
                    [(pid, list(ids)) for pid, ids in prompts], str(log_dir), build,
                    run_timeout_s=run_timeout(matrix, run_timeout_s))
 
     def outcome(self, verdict: str, reason: str) -> RunResult:
         """The result of a run that did not get to its engine (cancelled, or an error)."""
-        cfg = self.config
-        return RunResult(cfg["name"], cfg["fingerprint"], cfg["model"], cfg["settings"],
-                         cfg["args"], verdict=verdict, reason=reason)
+        return self.as_config().unrun(verdict, reason)
+
+    def as_config(self) -> Config:
+        """The task's config as the harness takes it."""
+        return Config(**{**self.config, "scenarios": tuple(self.config["scenarios"])})
 
 
 def execute(task: RunTask, control: RunControl | None = None) -> RunResult:
     """Run one config (the whole harness: build, engine, scenarios, metrics) from a task."""
     matrix = MatrixFile.model_validate(task.matrix)
-    cfg = dict(task.config)
-    cfg["scenarios"] = tuple(cfg["scenarios"])
-    config = Config(**cfg)
+    config = task.as_config()
     spec = EngineSpec(**task.engine)
     with log_context(job=task.job_id, run=task.run_id):
         if task.build is not None:
@@ -98,14 +104,43 @@ def prepare_build(source: str | None, patches: list[str], python: str | None) ->
     return {"manifest": make_build(source, patches, base_python=python).manifest}
 
 
+class InstalledBuild(BaseModel):
+    """``prepare_build``'s answer without a source: the SGLang installed in the engine's python."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str
+
+    def request(self) -> dict[str, Any]:
+        return {"source": None, "version": self.version}
+
+
+class MadeBuild(BaseModel):
+    """``prepare_build``'s answer for a source: the build made (its manifest, ``builds.build``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    manifest: dict[str, Any]
+
+    def request(self) -> dict[str, Any]:
+        m = self.manifest
+        source = f"git:{m['location']}@{m['commit']}" if m["kind"] == "git" else m["source"]
+        return {"source": source, "patches": list(m["patches"]),
+                "package_hash": m["package_hash"]}
+
+
+BUILD_INFO: TypeAdapter[InstalledBuild | MadeBuild] = TypeAdapter(InstalledBuild | MadeBuild)
+
+
+def build_info(info: dict[str, Any]) -> InstalledBuild | MadeBuild:
+    """``prepare_build``'s answer (plain data, as it travels from another machine), typed."""
+    return BUILD_INFO.validate_python(info)
+
+
 def build_request(info: dict[str, Any]) -> dict[str, Any]:
     """What each run of a prepared build carries (``prepare_build``'s answer -> a build request):
     the same code wherever the run goes, a git source pinned to its commit."""
-    if "version" in info:
-        return {"source": None, "version": info["version"]}
-    m = info["manifest"]
-    source = f"git:{m['location']}@{m['commit']}" if m["kind"] == "git" else m["source"]
-    return {"source": source, "patches": list(m["patches"]), "package_hash": m["package_hash"]}
+    return build_info(info).request()
 
 
 def engine_for(spec: EngineSpec, build: dict[str, Any]) -> EngineSpec:

@@ -172,14 +172,16 @@ def assigned_slot_ids(resource: str) -> list[str]:
 _logging_set_up = False
 
 
-def worker_python(python: str | None) -> str | None:
-    """The SGLang python on this node: its own ``EVALSVC_ENGINE_PYTHON``, else the service's."""
-    return Settings().engine_python or python
+def worker_python(python: str | None, node_python: str | None) -> str | None:
+    """The SGLang python on this node: its own (``node_python``, the node's
+    ``EVALSVC_ENGINE_PYTHON``), else the service's."""
+    return node_python or python
 
 
 def prepare_on_worker(source: str | None, patches: list[str], python: str | None) -> dict:
-    """The Ray task of ``RayDispatcher.prepare_build``: the build made on this node."""
-    return prepare_build(source, patches, worker_python(python))
+    """The Ray task of ``RayDispatcher.prepare_build``: the build made on this node (the node's
+    own settings are read here, where its task starts)."""
+    return prepare_build(source, patches, worker_python(python, Settings().engine_python))
 
 
 def ray_added_env() -> list[str]:
@@ -261,7 +263,7 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
     engine = {**task.engine, "env": env, "die_with_parent": True, "unset_env": ray_added_env()}
     if engine["kind"] == "sglang":
-        engine["python"] = worker_python(engine.get("python"))
+        engine["python"] = worker_python(engine.get("python"), Settings().engine_python)
     log_dir = run_dir(task.run_id)
     local = dataclasses.replace(task, engine=engine, log_dir=str(log_dir))
     key = machine_key()

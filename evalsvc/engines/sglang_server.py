@@ -28,7 +28,6 @@ BOOLEAN_FLAGS = {
     "disable_radix_cache", "disable_overlap_schedule", "enable_hierarchical_cache",
     "enable_deterministic_inference", "enable_metrics", "trust_remote_code", "skip_server_warmup",
 }
-SCRUBBED_ENV = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_METHOD")
 
 
 class ResponseError(ValueError):

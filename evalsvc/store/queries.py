@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Row, func, select
+from sqlalchemy import Row, case, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from evalsvc.metrics import paired_difference_cis
@@ -146,6 +146,36 @@ def find_build(session: Session, ref: str, patch_set: str = "") -> Build | None:
                                                            Build.patch_set == patch_set))
 
 
+def find_commit(session: Session, ref: str) -> Commit | None:
+    return session.scalar(select(Commit).where(Commit.ref == ref))
+
+
+def build_run_ids(session: Session, build_id: int) -> list[int]:
+    """The ids of a build's runs, in run order."""
+    return list(session.scalars(select(Run.id).where(Run.build_id == build_id).order_by(Run.id)))
+
+
+def run_job_id(session: Session, run_id: int) -> str | None:
+    """The job a run belongs to; None: no such run."""
+    return session.scalar(select(Run.job_id).where(Run.id == run_id))
+
+
+def run_matrices(session: Session, run_ids: list[int]) -> list[str]:
+    """The matrix of each of these runs (in no particular order)."""
+    return list(session.scalars(select(Run.matrix).where(Run.id.in_(run_ids))))
+
+
+def find_jobs(session: Session, *, status: str | None = None, trigger: str | None = None,
+              limit: int = 100) -> list[Job]:
+    """Jobs, newest first, filtered by status and trigger."""
+    q = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if status is not None:
+        q = q.where(Job.status == status)
+    if trigger is not None:
+        q = q.where(Job.trigger == trigger)
+    return list(session.scalars(q))
+
+
 def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
     job = session.get(Job, job_id)
     if job is None:
@@ -234,6 +264,42 @@ def regressions(session: Session, state: str | None = None, limit: int = 200
     q = q.order_by((Regression.state == "open").desc(), Regression.opened_at.desc(),
                    Regression.id.desc()).limit(limit)
     return [regression_dict(session, r) for r in session.scalars(q)]
+
+
+def open_regression_counts(session: Session) -> dict[str, int]:
+    """How many regressions are open, and how many of them nobody has triaged yet."""
+    total, untriaged = session.execute(
+        select(func.count(Regression.id),
+               func.coalesce(func.sum(case((Regression.triage.is_(None), 1), else_=0)), 0))
+        .where(Regression.state == "open")).one()
+    return {"open": total, "untriaged": untriaged}
+
+
+def regressions_with_runs(session: Session, limit: int = 200) -> list[Regression]:
+    """Regressions, open first, newest first, with the runs they point at (and their builds and
+    commits) loaded up front instead of one by one."""
+    runs = [selectinload(rel).selectinload(Run.build).selectinload(Build.commit)
+            for rel in (Regression.first_run, Regression.last_run, Regression.last_good_run,
+                        Regression.resolved_run)]
+    return list(session.scalars(
+        select(Regression).options(*runs)
+        .order_by((Regression.state == "open").desc(), Regression.opened_at.desc(),
+                  Regression.id.desc()).limit(limit)))
+
+
+def regression_bisections(session: Session, regression_ids: list[int]
+                          ) -> dict[int, list[dict[str, Any]]]:
+    """Per regression, its bisections in the order they were made: id, status and first bad
+    commit."""
+    out: dict[int, list[dict[str, Any]]] = {rid: [] for rid in regression_ids}
+    if out:
+        for b in session.execute(select(Bisection.id, Bisection.regression_id, Bisection.status,
+                                        Bisection.first_bad)
+                                 .where(Bisection.regression_id.in_(list(out)))
+                                 .order_by(Bisection.created_at)):
+            out[b.regression_id].append({"id": b.id, "status": b.status,
+                                         "first_bad": b.first_bad})
+    return out
 
 
 def triage_regression(session: Session, regression_id: int, triage: str | None,
@@ -409,6 +475,15 @@ def job_runs(session: Session, job_id: str) -> list[dict[str, Any]]:
                              .order_by(Verdict.id)):
         verdicts[v.run_id].append(verdict_dict(v))
     return [run_detail(session, r.id, verdicts[r.id]) for r in runs]
+
+
+def find_samples(session: Session, run_id: int, sample_id: str,
+                 scenario: str | None = None) -> list[Sample]:
+    """A run's samples of this id (in any scenario, or in ``scenario``)."""
+    q = select(Sample).where(Sample.run_id == run_id, Sample.sample_id == sample_id)
+    if scenario:
+        q = q.where(Sample.scenario == scenario)
+    return list(session.scalars(q))
 
 
 def run_samples(session: Session, run_ids: list[int]) -> dict[int, list[dict[str, Any]]]:

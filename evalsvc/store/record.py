@@ -18,15 +18,8 @@ from sqlalchemy.orm import Session
 
 from evalsvc.store.db import Store
 from evalsvc.store.models import Build, Commit, Job, Metric, Run, Sample, ScenarioRow, utcnow
-from evalsvc.types import RunResult
+from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, RunResult
 
-SAMPLE_FIELDS = ("prompt_id", "prompt_tokens", "cached_tokens", "host_cached_tokens",
-                 "completion_tokens", "hit", "kl_k1_mean", "kl_k2_mean", "kl_k3_mean", "kl_k3_max",
-                 "topk_kl_mean", "same_top_rate", "first_divergence", "accept_length",
-                 "extend_tokens", "extend_kl_k3_mean", "extend_kl_k3_max")
-TOKEN_FIELDS = ("output_ids", "decode_logprobs", "reference_logprobs", "decode_top_ids",
-                "decode_top_logprobs", "reference_top_ids", "reference_top_logprobs",
-                "extend_logprobs", "extend_reference_logprobs")
 # scenario metrics whose interval and sample count go on the row of their mean
 INTERVALS = ("kl_k3", "extend_kl_k3")
 

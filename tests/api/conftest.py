@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from evalsvc.engines.embedded.paths import MODELS_DIR
+from evalsvc.paths import MODELS_DIR
 from tests.processes import marked_processes, wait_no_processes
 
 MARK = "EVALSVC_TEST_SERVICE"  # marks the service's processes (its engines inherit it)

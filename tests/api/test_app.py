@@ -15,7 +15,7 @@ from schemathesis.checks import not_a_server_error
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.cli import app as cli
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store

@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Regression, Run

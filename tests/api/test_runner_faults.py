@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 import evalsvc.evaluate
 import evalsvc.jobs
 import evalsvc.workloads
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.cli import app as cli
 from evalsvc.dispatch.local import LocalDispatcher
 from evalsvc.jobs import JobCreate, JobService
@@ -100,8 +100,9 @@ def wait_job(store: Store, job_id: str, timeout: float = 120,
 
 # ---- cancel ---------------------------------------------------------------------------------
 # the functions of a job's phases, by where the runner finds them
-TRACED = {"load_prompts": evalsvc.workloads, "tokenized": evalsvc.evaluate,
-          "_prepare_build": JobService, "expand": evalsvc.jobs, "plan_run": evalsvc.jobs}
+TRACED = {"load_prompts": evalsvc.workloads, "tokenized": evalsvc.jobs.service,
+          "_prepare_build": JobService, "expand": evalsvc.jobs.plan,
+          "plan_run": evalsvc.jobs.service}
 
 
 class Phases:

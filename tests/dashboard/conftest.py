@@ -33,7 +33,7 @@ import pytest
 import uvicorn
 import yaml
 
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.settings import Settings
 from tests.processes import wait_no_processes
 

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import AuditEvent, Job, Regression, Run

@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from evalsvc.api.app import create_app
+from evalsvc.app import create_app
 from evalsvc.dashboard.views import bisection_view, compare_verdict
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store

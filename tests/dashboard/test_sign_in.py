@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from evalsvc.api.app import SESSION_COOKIE, create_app
+from evalsvc.app import SESSION_COOKIE, create_app
 from evalsvc.settings import Settings
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"

@@ -58,7 +58,7 @@ def test_only_the_ray_backend_imports_ray():
     assert importers == ["dispatch/ray_backend.py"]
     # and only lazily: the service's modules import without it
     code = ("import sys; sys.modules['ray'] = None; import evalsvc.dispatch.ray_backend, "
-            "evalsvc.api.app, evalsvc.jobs")
+            "evalsvc.app, evalsvc.jobs")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

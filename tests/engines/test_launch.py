@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from evalsvc.engines.base import EngineSpec, launch
-from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.engines.launch import free_port
+from evalsvc.paths import MODELS_DIR
 
 SECRETS = {
     "EVALSVC_API_TOKEN": "write-secret",

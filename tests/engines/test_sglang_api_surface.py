@@ -1,7 +1,7 @@
 """The embedded engine serves SGLang's own clients: checked against the newest release's code.
 
 The release's env (``evalsvc.builds.sglang_env``, built by the first run) provides SGLang's own
-field lists, read by ``evalsvc/builds/sglang_surface.py`` from ``GenerateReqInput``,
+field lists, read by ``tests/engines/sglang_surface.py`` from ``GenerateReqInput``,
 ``SamplingParams``, the tokenizer manager's ``meta_info`` and the OpenAI protocol, so a release
 that adds a field fails here until the engine knows it; and SGLang's client code, run unchanged
 against embedded engine processes: the ``openai`` client, ``python -m sglang.bench_serving``
@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 
-from evalsvc.builds import sglang_env
 from evalsvc.engines.embedded.openai_api import CHAT_PASSTHROUGH, PASSTHROUGH, ChatIn, CompletionIn
 from evalsvc.engines.embedded.outputs import LEGACY_META_INFO_KEYS, META_INFO_KEYS
 from evalsvc.engines.embedded.protocol import UNSUPPORTED_FIELDS, GenerateReqIn, SamplingParamsIn
@@ -30,7 +29,7 @@ from evalsvc.engines.launch import EngineProcess, clean_env, embedded_command, f
 from .test_sglang_contract import release_python
 
 VERSION = "0.5.23"
-SURFACE = Path(sglang_env.__file__).resolve().parent / "sglang_surface.py"
+SURFACE = Path(__file__).resolve().parent / "sglang_surface.py"
 CLIENTS = Path(__file__).resolve().parent / "sglang_clients"
 # SamplingParams fields SGLang fills itself (``normalize``), never sent by a client
 SAMPLING_INTERNAL = {"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len",

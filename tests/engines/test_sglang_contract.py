@@ -2,7 +2,7 @@
 
 For each release (the newest, and 0.5.13 from before ``--mamba-radix-cache-strategy``), a cached
 env (``evalsvc.builds.sglang_env``) holds that release from PyPI on CPU torch, and one run of
-``evalsvc/builds/sglang_check.py`` under its python parses and resolves every command line the
+``tests/engines/sglang_check.py`` under its python parses and resolves every command line the
 ``mamba-full`` matrix builds (on a tiny local Qwen3-Next config) and validates the request payloads
 evalsvc sends. The control plane never imports sglang.
 
@@ -38,7 +38,7 @@ from evalsvc.matrix import AXES, Config, MatrixFile, expand, load_matrix, make_c
 
 VERSIONS = ["0.5.23", "0.5.13"]
 MATRIX = "mamba-full"
-CHECKER = Path(sglang_env.__file__).resolve().parent / "sglang_check.py"
+CHECKER = Path(__file__).resolve().parent / "sglang_check.py"
 MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "sglang" / "models" / "qwen3-next-tiny"
 PORT = 30000
 
@@ -113,7 +113,7 @@ def check_key(python: Path, job: dict[str, Any]) -> str:
 
 
 def run_checker(python: Path, version: str, job: dict[str, Any]) -> dict[str, Any]:
-    """``evalsvc/builds/sglang_check.py`` under the release's python, on one job; its result is
+    """``tests/engines/sglang_check.py`` under the release's python, on one job; its result is
     kept beside the envs under the hash of everything it follows from (``check_key``), and read
     back while that is unchanged (``EVALSVC_SGLANG_CHECK_CACHE=0``: run it every time)."""
     cache = sglang_env.env_root() / ".checks" / f"{version}-{check_key(python, job)}.json"

@@ -24,7 +24,7 @@ from evalsvc.store.models import (
     ScenarioRow,
 )
 from evalsvc.store.record import BuildRef, record_results
-from evalsvc.types import RunResult, ScenarioResult
+from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, RunResult, SampleRow, ScenarioResult
 
 TABLES = {"commits": Commit, "builds": Build, "jobs": Job, "runs": Run, "scenarios": ScenarioRow,
           "metrics": Metric, "samples": Sample, "golden_runs": GoldenRun}
@@ -38,13 +38,15 @@ def fingerprint_of(config: str) -> str:
 
 
 def sample_row(scenario: str, index: int, kl: float, rng: np.random.Generator,
-               sample_id: str | None = None) -> dict[str, Any]:
-    """One sample as ``harness.sample_row`` writes it (plus the top-k columns of ``score``)."""
+               sample_id: str | None = None) -> SampleRow:
+    """One sample as ``harness.sample_row`` writes it (plus the top-k columns of ``score``); no
+    extend and no top-k lists (None)."""
     dec = rng.normal(-1.5, 0.5, TOKENS)
     ref = dec + (np.sqrt(2 * kl) if kl else 0.0)
     hit = scenario != "cold"
     diverged = kl > 1e-3
     return {
+        **dict.fromkeys(SAMPLE_FIELDS + TOKEN_FIELDS),
         "sample_id": sample_id or f"s{index:03d}", "prompt_id": f"demo-{index}",
         "prompt_tokens": 40 + index, "cached_tokens": 32 if hit else 0, "host_cached_tokens": 0,
         "hit": hit, "completion_tokens": TOKENS,

@@ -16,8 +16,9 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from evalsvc.paths import DEFAULT_MODEL, shipped_models
+
 from .defects import ENV_VAR, Defect, parse_defect_strengths
-from .paths import DEFAULT_MODEL, shipped_models
 
 log = logging.getLogger("evalsvc.engine")
 

@@ -101,11 +101,6 @@ def parse_defect_strengths(names: list[str] | None,
     return out
 
 
-def parse_defects(names: list[str] | None, env: dict[str, str] | None = None) -> list[Defect]:
-    """The defects switched on (any strength), in the order given."""
-    return list(parse_defect_strengths(names, env))
-
-
 def format_defects(strengths: dict[Defect, float] | dict[str, float]) -> str:
     """The ``EVALSVC_ENGINE_DEFECTS`` value of a mapping: ``name`` at 1.0, else ``name@strength``."""
     return ",".join(str(d) if s >= 1.0 else f"{d}@{float(s)!r}" for d, s in strengths.items())

@@ -14,7 +14,7 @@ from evalsvc.engines.embedded.args import (
     resolve,
 )
 from evalsvc.engines.embedded.defects import ENV_VAR, Defect
-from evalsvc.engines.embedded.paths import MODELS_DIR
+from evalsvc.paths import MODELS_DIR
 
 MAMBA2 = (MODELS_DIR / "hybrid-mamba2-tiny").resolve()
 GDN = (MODELS_DIR / "hybrid-gdn-tiny").resolve()

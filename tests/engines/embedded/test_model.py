@@ -21,8 +21,8 @@ from evalsvc.engines.embedded.model import (
     load_model,
     save_model,
 )
-from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.engines.embedded.tokenizer import TextTokenizer
+from evalsvc.paths import MODELS_DIR
 
 SHIPPED = ["hybrid-mamba2-tiny", "hybrid-gdn-tiny"]
 

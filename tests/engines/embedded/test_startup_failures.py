@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from evalsvc.engines.embedded.paths import MODELS_DIR
 from evalsvc.engines.launch import EngineProcess, EngineStartError, clean_env, free_port
+from evalsvc.paths import MODELS_DIR
 
 # the engine's entry point in a python where the named modules cannot be imported (as when the
 # engine extra is not installed)

@@ -174,8 +174,8 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(tmp_path: Path):
 
 
 def test_the_detokenizer_holds_back_an_incomplete_utf8_character():
-    from evalsvc.engines.embedded.paths import shipped_models
     from evalsvc.engines.embedded.tokenizer import TextTokenizer
+    from evalsvc.paths import shipped_models
 
     class Sched:  # what Detokenizer reads
         tokenizer = TextTokenizer(shipped_models()["hybrid-mamba2-tiny"])
@@ -194,8 +194,8 @@ def test_find_printable_text_keeps_whole_words():
 
 
 def test_stream_admits_snapshots_as_sglang_s_scheduler_sends_them():
-    from evalsvc.engines.embedded.paths import shipped_models
     from evalsvc.engines.embedded.tokenizer import TextTokenizer
+    from evalsvc.paths import shipped_models
 
     sched = SimpleNamespace(tokenizer=TextTokenizer(shipped_models()["hybrid-mamba2-tiny"]))
     req = SimpleNamespace(sp=SimpleNamespace(stream_interval=4, stop=[]),

@@ -3,7 +3,7 @@
 Run by the python of an env that ``evalsvc.builds.sglang_env`` built, never by evalsvc's own
 python, and without importing evalsvc::
 
-    <env python> evalsvc/builds/sglang_check.py < job.json > result.json
+    <env python> tests/engines/sglang_check.py < job.json > result.json
 
 The job (JSON on stdin)::
 

@@ -10,13 +10,11 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from evalsvc.api.auth import OPEN_USER, Accounts, User
-from evalsvc.api.middleware import USER_SCOPE_KEY, WRITES_OFF
 from evalsvc.bisect import Bisector
 from evalsvc.dispatch import make_dispatcher
 from evalsvc.jobs import JobService, describe
@@ -25,9 +23,10 @@ from evalsvc.store import shown_url
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
+from evalsvc.web.auth import OPEN_USER, Accounts, User
+from evalsvc.web.middleware import USER_SCOPE_KEY, WRITES_OFF
 
 log = logging.getLogger("evalsvc.api")
-DURATION_BUCKETS = (5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
 
 
 @dataclass
@@ -118,13 +117,7 @@ class _Collector:
         for status, n in sorted(c.outcomes.items()):
             outcomes.add_metric([status], n)
         yield outcomes
-        seconds = list(c.run_seconds)
-        buckets, acc = [], 0
-        for bound in DURATION_BUCKETS:
-            acc = sum(1 for x in seconds if x <= bound)
-            buckets.append(("+Inf" if bound == float("inf") else str(bound), acc))
-        yield HistogramMetricFamily("evalsvc_run_duration_seconds", "Run wall time.",
-                                    buckets=buckets, sum_value=float(sum(seconds)))
+        yield from c.collect_run_duration()
 
 
 def get_services(request: Request) -> Services:

@@ -1,47 +1,36 @@
-"""Jobs: where the store and the dispatcher meet.
+"""The job service: where the store and the dispatcher meet.
 
-A job is validated and persisted when it is submitted (``JobService.submit``), then executed by
-the job runner thread in order of priority, then age: its builds are made, its configs expanded
-into pending runs, the runs dispatched to the engine slots, and each finished run recorded in a
-transaction of its own. Everything lives in the database, so a restarted service resumes what did
-not finish: runs already recorded are never repeated, and engines left behind by a killed service
-(their process groups are remembered on the run) are stopped first.
+A job is validated (``jobs.spec``) and persisted when it is submitted (``JobService.submit``),
+then executed by the job runner thread in order of priority, then age: its builds are made, its
+configs planned (``jobs.plan``) into pending runs, the runs dispatched to the engine slots, and
+each finished run recorded in a transaction of its own. Whoever waits on a job is woken when the
+service writes its end (``wait_end``). Everything lives in the database, so a restarted service
+resumes what did not finish: runs already recorded are never repeated, and engines left behind by
+a killed service (their process groups are remembered on the run) are stopped first.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import json
 import logging
-import math
 import os
-import re
 import signal
 import threading
 import time
-import uuid
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.alerts import collect, deliver
+from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
-from evalsvc.engines.embedded.defects import Defect
+from evalsvc.jobs.plan import made_build_ref, plan_runs
+from evalsvc.jobs.spec import BuildSpec, JobCreate, JobSpec, mint_id, validate_job
 from evalsvc.logs import log_context
-from evalsvc.matrix import (
-    MatrixError,
-    MatrixFile,
-    WorkloadSpec,
-    describe_errors,
-    expand,
-    load_matrix,
-)
 from evalsvc.paths import inside
 from evalsvc.settings import Settings
 from evalsvc.store import audit
@@ -57,117 +46,10 @@ from evalsvc.store.record import (
     record_run,
     write_samples_parquet,
 )
+from evalsvc.tokenization import tokenized
 from evalsvc.verdicts import judge_run, track
 
 log = logging.getLogger("evalsvc.jobs")
-ACTIVE = ("queued", "running")
-
-
-class JobError(ValueError):
-    """A job that cannot be accepted; the message names the problem. Nothing is stored."""
-
-
-MAX_TEXT = 5000  # characters of any one string in a job body
-MAX_DEPTH = 32  # nesting of a job body
-INT64 = 2**63
-# a model on the hub: NAME or NAMESPACE/NAME
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
-
-
-def check_storable(value: Any, where: str = "", depth: int = 0) -> None:
-    """What both SQLite and PostgreSQL store and read back: strings (keys too) without NUL or lone
-    surrogates and at most MAX_TEXT long, finite floats, integers within int64, bounded nesting.
-    ValueError naming where in the body."""
-    here = where or "(body)"
-    if depth > MAX_DEPTH:
-        raise ValueError(f"{here}: nested deeper than {MAX_DEPTH} levels")
-    if isinstance(value, str):
-        if len(value) > MAX_TEXT:
-            raise ValueError(f"{here}: a string of {len(value)} characters (at most {MAX_TEXT})")
-        if "\0" in value:
-            raise ValueError(f"{here}: contains a NUL character")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{here}: contains a lone surrogate (not valid Unicode text)") from None
-    elif isinstance(value, bool) or value is None:
-        return
-    elif isinstance(value, int):
-        if not -INT64 <= value < INT64:
-            raise ValueError(f"{here}: {value} is outside the 64-bit integer range")
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{here}: {value} is not a finite number")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_storable(key, f"{where}.(key {ascii(key)[:80]})".lstrip("."), depth + 1)
-            check_storable(item, f"{where}.{key}".lstrip("."), depth + 1)
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            check_storable(item, f"{where}[{i}]", depth + 1)
-
-
-class BuildSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    source: str | None = Field(None, min_length=1, max_length=250,
-                               description="sglang==VERSION, git:REPO@COMMIT or path:DIR "
-                                           "(SGLang engine); none: the engine as installed")
-    patches: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(
-        default_factory=list, max_length=16,
-        description="known fixes (SGLang) or defect:NAME (embedded engine)")
-
-
-class JobCreate(BaseModel):
-    """A job: a matrix (a name under configs/ or inline) on one or two builds."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    matrix: str | dict[str, Any] = Field(..., description="matrix name or an inline matrix")
-    engine: Literal["embedded", "sglang"] | None = Field(None, description="default: the matrix's")
-    builds: list[BuildSpec] | None = Field(None, min_length=1, max_length=2,
-                                           description="two builds yield their comparison")
-    model: str | None = Field(None, min_length=1, max_length=500,
-                              description="model path replacing the matrix's models")
-    workload: dict[str, Any] | None = Field(None, description="overrides of the matrix workload")
-    reference: dict[str, Any] | None = Field(None, description="reference override")
-    configs: list[str] | None = Field(None, min_length=1, max_length=1000,
-                                      description="only these configs of the matrix (leave it "
-                                                  "out for all)")
-    priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")
-    track: bool = Field(False, description="open and close regressions (and alert) from this "
-                                           "job's verdicts, as nightly jobs do")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _storable(cls, data: Any) -> Any:
-        check_storable(data)
-        return data
-
-    @field_validator("matrix")
-    @classmethod
-    def _matrix_name(cls, matrix: str | dict[str, Any]) -> str | dict[str, Any]:
-        if isinstance(matrix, str) and len(matrix) > 100:
-            raise ValueError("a matrix name is at most 100 characters")
-        return matrix
-
-    @field_validator("configs")
-    @classmethod
-    def _config_names(cls, configs: list[str] | None) -> list[str] | None:
-        for name in configs or []:
-            if not CONFIG_NAME.fullmatch(name) or ".." in name:
-                raise ValueError(f"{name[:200]!r} is not a config name (letters, digits, '.', "
-                                 "'_', '-', at most 200)")
-        return configs
-
-
-CONFIG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-
-
-@dataclass
-class Counters:
-    outcomes: dict[str, int] = field(default_factory=dict)
-    run_seconds: list[float] = field(default_factory=list)
 
 
 class JobService:
@@ -183,6 +65,8 @@ class JobService:
         self._lock = threading.Lock()
         self._store_lock: StoreLock | None = None
         self._failing: str | None = None  # the error the runner is waiting out, if any
+        self._ended = threading.Condition()  # notified when this service wrote a job's end
+        self._ends = 0  # how many it wrote
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, body: JobCreate, trigger: str = "api", extra: dict[str, Any] | None = None,
@@ -190,168 +74,24 @@ class JobService:
         """Validate and queue a job. ``trusted``: from the operator's own configuration (nightly
         schedules), whose build sources need not be on the allowed list. ``actor``: the person
         submitting it (an audit event, stored with the job)."""
-        spec = {**self.normalize(body, trusted=trusted), **(extra or {})}
-        job_id = f"{trigger}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        spec = validate_job(body, self.settings, trusted)
+        if extra:
+            spec = JobSpec.model_validate({**dict(spec), **extra})
+        stored = spec.stored()
+        job_id = mint_id(trigger)
         with self.store.session() as s:
-            ensure_job(s, job_id, trigger, spec, priority=body.priority, status="queued")
+            ensure_job(s, job_id, trigger, stored, priority=body.priority, status="queued")
             if actor is not None:
                 audit.record(s, actor, "submit", "job", job_id, details={
-                    "matrix": spec["matrix_name"], "configs": spec["configs"],
-                    "builds": spec["builds"], "track": spec["track"]})
-        log.info("job %s queued (%s, %d build(s))", job_id, spec["matrix_name"],
-                 len(spec["builds"]))
+                    "matrix": stored["matrix_name"], "configs": stored["configs"],
+                    "builds": stored["builds"], "track": stored["track"]})
+        log.info("job %s queued (%s, %d build(s))", job_id, spec.matrix_name, len(spec.builds))
         self._wake.set()
         return job_id
 
     def normalize(self, body: JobCreate, trusted: bool = False) -> dict[str, Any]:
-        """Validate a job against matrices, models, patches, allowed sources and the limits on
-        what one job may expand to; JobError if not."""
-        limits = self.settings
-        try:
-            if isinstance(body.matrix, str):  # a name under configs/, never a path
-                matrix = load_matrix(body.matrix, allow_path=False)
-            else:
-                size = len(json.dumps(body.matrix))
-                if size > limits.max_matrix_bytes:
-                    raise JobError(f"matrix: the inline matrix is {size} bytes as JSON, over the "
-                                   f"limit of {limits.max_matrix_bytes} "
-                                   "(EVALSVC_MAX_MATRIX_BYTES)")
-                matrix = MatrixFile.model_validate(body.matrix)
-        except MatrixError as exc:
-            raise JobError(str(exc)) from None
-        except ValidationError as exc:
-            raise JobError(describe_errors(exc, "matrix.")) from None
-        self._check_matrix_size(matrix)
-        engine = body.engine or matrix.engine
-        try:
-            matrix.check_engine_flags(engine)
-        except ValueError as exc:
-            raise JobError(f"matrix.{exc}") from None
-        if body.model is not None:
-            for entry in matrix.models.values():
-                entry.path = body.model
-        for key, entry in matrix.models.items():
-            _check_model(engine, key, entry.path)
-        if body.workload:
-            try:
-                matrix.workload = WorkloadSpec.model_validate(
-                    {**matrix.workload.model_dump(), **body.workload})
-            except ValidationError as exc:
-                raise JobError("; ".join(
-                    f"workload.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-                ) from None
-        from evalsvc.workloads import WorkloadError, check_dataset
-
-        # a client names builtin or hub datasets, and local files only under EVALSVC_DATASETS_DIR;
-        # the matrices in configs/ (and the operator's schedules) may use their own files
-        from_client = not isinstance(body.matrix, str) or "dataset" in (body.workload or {})
-        local_ok = trusted or not from_client
-        try:
-            matrix.workload.dataset = check_dataset(
-                matrix.workload, allow_local=local_ok,
-                root=None if local_ok else self.settings.datasets_dir)
-        except WorkloadError as exc:
-            raise JobError(str(exc)) from None
-        if body.reference is not None:
-            raise JobError("reference: the service uses SGLang's same-server reference; a "
-                           "reference config is available from the CLI (evalsvc run)")
-        names = {c.name for c in expand(matrix)}
-        if not names:
-            raise JobError(f"matrix {matrix.name}: no configs (every combination of its axes is "
-                           "excluded)")
-        unknown = sorted(set(body.configs or []) - names)
-        if unknown:
-            listed = sorted(names)
-            raise JobError(f"configs: {', '.join(n[:200] for n in unknown[:20])} not in matrix "
-                           f"{matrix.name} (configs: {', '.join(listed[:100])}"
-                           f"{', ...' if len(listed) > 100 else ''})")
-        builds = body.builds or [BuildSpec()]
-        self._check_job_size(matrix, len(set(body.configs or names)), len(builds))
-        for i, b in enumerate(builds):
-            self._check_build(engine, i, b, trusted)
-        if engine == "sglang" and not self.settings.engine_python and not self.settings.ray_address:
-            raise JobError("engine sglang: this service has no SGLang environment "
-                           "(EVALSVC_ENGINE_PYTHON)")  # on Ray the workers bring their own
-        return {"matrix_name": matrix.name, "matrix": matrix.model_dump(mode="json"),
-                "engine": engine, "builds": [b.model_dump() for b in builds],
-                "configs": body.configs, "model": body.model, "track": body.track}
-
-    def _check_matrix_size(self, matrix: MatrixFile) -> None:
-        """Axis values, include and exclude entries and the axes' cross product, before the
-        matrix is expanded (JobError naming the limit)."""
-        limit = self.settings.max_matrix_entries
-        over = f"over the limit of {limit} (EVALSVC_MAX_MATRIX_ENTRIES)"
-        for key, values in matrix.axes.items():
-            if len(values) > limit:
-                raise JobError(f"matrix.axes.{key}: {len(values)} values, {over}")
-        for section in ("include", "exclude"):
-            n = len(getattr(matrix, section))
-            if n > limit:
-                raise JobError(f"matrix.{section}: {n} entries, {over}")
-        product = matrix.cross_product()
-        if product > limit:
-            raise JobError(f"matrix.axes: the axes make {product} combinations, {over}")
-
-    def _check_job_size(self, matrix: MatrixFile, configs: int, builds: int) -> None:
-        """Configs, prompts and generated tokens of the whole job (JobError naming the limit)."""
-        s = self.settings
-        runs = configs * builds
-        if runs > s.max_configs_per_job:
-            raise JobError(f"configs: the job runs {runs} configs ({configs} x {builds} "
-                           f"build(s)), over the limit of {s.max_configs_per_job} "
-                           "(EVALSVC_MAX_CONFIGS_PER_JOB)")
-        prompts = matrix.workload.num_prompts * runs
-        if prompts > s.max_job_prompts:
-            raise JobError(f"workload.num_prompts: {matrix.workload.num_prompts} prompts x {runs} "
-                           f"configs = {prompts}, over the limit of {s.max_job_prompts} "
-                           "(EVALSVC_MAX_JOB_PROMPTS)")
-        tokens = matrix.workload.max_new_tokens * prompts
-        if tokens > s.max_job_tokens:
-            raise JobError(f"workload.max_new_tokens: {matrix.workload.max_new_tokens} tokens x "
-                           f"{prompts} prompts = {tokens}, over the limit of {s.max_job_tokens} "
-                           "(EVALSVC_MAX_JOB_TOKENS)")
-
-    def _check_build(self, engine: str, i: int, b: BuildSpec, trusted: bool) -> None:
-        from evalsvc.builds.build import BuildError, parse_source
-
-        where = f"builds[{i}]"
-        if engine == "embedded":  # source: git:REPO@COMMIT or path:DIR with evalsvc-engine.yaml
-            from evalsvc.builds.embedded import embedded_build, parse_embedded_source
-
-            known = {f"defect:{d.value}" for d in Defect}
-            for p in b.patches:
-                if p not in known:
-                    raise JobError(f"{where}.patches: unknown {p!r} for the embedded engine "
-                                   f"(known: {', '.join(sorted(known))})")
-            parse = parse_embedded_source
-        else:
-            from evalsvc.builds.patches import PATCHES
-
-            for p in b.patches:
-                if p not in PATCHES:
-                    raise JobError(f"{where}.patches: unknown patch {p!r} "
-                                   f"(known: {', '.join(sorted(PATCHES))})")
-            if b.source is None and b.patches:
-                raise JobError(f"{where}: patches need a source")
-            parse = parse_source
-        if b.source is None:
-            return
-        version = re.fullmatch(r"(?:pypi:)?(?:sglang==)?(.*)", b.source.strip()).group(1)
-        if b.source.strip().startswith(("sglang==", "pypi:")) and len(version) > 100:
-            raise JobError(f"{where}.source: a version of {len(version)} characters (at most 100)")
-        try:
-            parse(b.source)
-        except BuildError as exc:
-            raise JobError(f"{where}.source: {exc}") from None
-        if not trusted and not any(fnmatch.fnmatchcase(b.source, pat)
-                                   for pat in self.settings.allowed_sources):
-            raise JobError(f"{where}.source: {b.source!r} is not an allowed build source "
-                           f"(EVALSVC_ALLOWED_SOURCES: {', '.join(self.settings.allowed_sources)})")
-        if engine == "embedded":
-            try:  # the repository and commit exist, and the settings file there reads
-                embedded_build(b.source, b.patches)
-            except BuildError as exc:
-                raise JobError(f"{where}.source: {exc}") from None
+        """The job as stored (``JobSpec.stored``), validated (``spec.validate_job``); JobError."""
+        return validate_job(body, self.settings, trusted).stored()
 
     # ---- control ---------------------------------------------------------------------------
     def cancel(self, job_id: str, actor: Actor | None = None) -> str | None:
@@ -366,23 +106,27 @@ class JobService:
         now = utcnow()
         with self._lock:  # the runner finishes a job under this lock (_finish)
             with self.store.session() as s:
-                if s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
-                             .values(status="cancelled", finished_at=now)).rowcount:
+                queued = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
+                                   .values(status="cancelled", finished_at=now)).rowcount
+                if queued:
                     if actor is not None:
                         audit.record(s, actor, "cancel", "job", job_id,
                                      details={"status": "cancelled"})
                     self._count("cancelled")
-                    log.info("job %s cancelled before it started", job_id)
-                    return "cancelled"
-                running = s.execute(
-                    update(Job).where(Job.id == job_id, Job.status == "running",
-                                      Job.trigger != "cli")  # evalsvc run records it: no runner
-                    .values(cancel_requested_at=now)).rowcount
-                if not running:
-                    return s.scalar(select(Job.status).where(Job.id == job_id))
-                if actor is not None:
-                    audit.record(s, actor, "cancel", "job", job_id,
-                                 details={"status": "cancelling"})
+                else:
+                    running = s.execute(
+                        update(Job).where(Job.id == job_id, Job.status == "running",
+                                          Job.trigger != "cli")  # evalsvc run records it
+                        .values(cancel_requested_at=now)).rowcount
+                    if not running:
+                        return s.scalar(select(Job.status).where(Job.id == job_id))
+                    if actor is not None:
+                        audit.record(s, actor, "cancel", "job", job_id,
+                                     details={"status": "cancelling"})
+            if queued:  # its end committed
+                self._ended_one()
+                log.info("job %s cancelled before it started", job_id)
+                return "cancelled"
             self._cancelled.add(job_id)
         if self.dispatcher is not None:
             self.dispatcher.cancel_job(job_id)
@@ -463,6 +207,25 @@ class JobService:
                     continue
                 self._count(job.status)
                 _cancel_pending(s, job.id)
+        self._ended_one()
+
+    # ---- a job's end -----------------------------------------------------------------------
+    def ends(self) -> int:
+        """How many job ends this service wrote (a job done, failed or cancelled)."""
+        with self._ended:
+            return self._ends
+
+    def wait_end(self, seen: int, timeout: float) -> int:
+        """Wait until this service wrote a job's end after the ``seen``-th (``ends()``, taken
+        before looking at the job), at most ``timeout`` seconds; returns ``ends()``."""
+        with self._ended:
+            self._ended.wait_for(lambda: self._ends != seen, timeout)
+            return self._ends
+
+    def _ended_one(self) -> None:
+        with self._ended:
+            self._ends += 1
+            self._ended.notify_all()
 
     def queue_length(self) -> int:
         with self.store.session() as s:
@@ -551,6 +314,7 @@ class JobService:
                         s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
                                   .values(status=status, error=error, finished_at=utcnow()))
                     self._cancelled.discard(job_id)
+                self._ended_one()
                 log.info("job %s %s", job_id, status)
                 return
             except Exception as exc:
@@ -581,29 +345,26 @@ class JobService:
         """Run a job's phases (workload, tokens, builds, plan, runs); the cancel flag is looked at
         between them and in their loops (_Cancelled)."""
         with self.store.session() as s:
-            spec = dict(s.get(Job, job_id).spec)
-        matrix = MatrixFile.model_validate(spec["matrix"])
-        from evalsvc.evaluate import tokenized
+            stored = s.get(Job, job_id).spec
+        spec = JobSpec.model_validate(stored)  # the matrix made once, and its JSON sent as is
+        matrix = spec.matrix
         from evalsvc.workloads import load_prompts, workload_version
 
         self._check_cancelled(job_id)
         prompts = load_prompts(matrix.workload)
         version = workload_version(matrix.workload, prompts)
-        base = EngineSpec(kind=spec["engine"], python=self.settings.engine_python
-                          if spec["engine"] == "sglang" else None)
+        base = EngineSpec(kind=spec.engine, python=self.settings.engine_python
+                          if spec.engine == "sglang" else None)
         self._check_cancelled(job_id)
         by_model = tokenized(matrix, base, prompts)
         log_dir = inside(self.settings.data_dir, "logs", job_id)
         tasks: list[tuple[int, RunTask, str]] = []
-        for b in spec["builds"]:
+        for b in spec.builds:
             self._check_cancelled(job_id)
             engine, ref, request = self._prepare_build(base, b)
             self._check_cancelled(job_id)
-            configs = expand(matrix, hardware="cpu" if engine.kind == "embedded" else "gpu",
-                             workload_version=version,
-                             sglang_version=engine.version if engine.kind == "sglang" else None)
-            if spec.get("configs"):
-                configs = [c for c in configs if c.name in spec["configs"]]
+            # validated when submitted: a config its build's release excludes is left out
+            configs = plan_runs(matrix, engine, version, spec.configs, strict=False)
             def planned(s, configs=configs, engine=engine, ref=ref, request=request):
                 job = s.get(Job, job_id)
                 build = ensure_build(s, ref)
@@ -615,7 +376,8 @@ class JobService:
                         pending.append((run.id, RunTask.make(
                             job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
                             inside(log_dir, f"build-{build.id}"), build=request,
-                            run_timeout_s=self.settings.run_timeout_s), cfg.name))
+                            run_timeout_s=self.settings.run_timeout_s,
+                            matrix_json=stored["matrix"]), cfg.name))
                 return pending
 
             tasks += self.store.write(planned, f"job {job_id}: its runs planned")
@@ -657,34 +419,29 @@ class JobService:
             return "failed", "; ".join(failures)
         return "done", None
 
-    def _prepare_build(self, base: EngineSpec, b: dict[str, Any]
+    def _prepare_build(self, base: EngineSpec, b: BuildSpec | dict[str, Any]
                        ) -> tuple[EngineSpec, BuildRef, dict[str, Any] | None]:
         """The engine spec, the store's build and the build request each run carries. An SGLang
         build is made by the dispatcher where the runs go (BuildError if it cannot be)."""
+        b = BuildSpec.model_validate(b) if isinstance(b, dict) else b  # a stored job's build
         now = utcnow()
         if base.kind == "embedded":
             from evalsvc.builds.embedded import embedded_build
 
-            eb = embedded_build(b.get("source"), b["patches"])
+            eb = embedded_build(b.source, b.patches)
             return (EngineSpec(kind="embedded", env=eb.env),
                     BuildRef(eb.repository, sha=eb.sha, version=eb.version,
                              committed_at=eb.committed_at, patches=eb.patches,
                              manifest=eb.manifest), None)
-        from evalsvc.dispatch.base import build_request
+        from evalsvc.dispatch.base import InstalledBuild, build_info
 
-        info = self.dispatcher.prepare_build(b["source"], b["patches"], base.python)
-        if "version" in info:  # the SGLang installed in the engine's python
-            return (replace(base, version=info["version"]),
-                    BuildRef("sgl-project/sglang", version=info["version"], committed_at=now),
-                    build_request(info))
-        m = info["manifest"]
-        return replace(base, version=m.get("version")), BuildRef(
-            m["location"] if m["kind"] != "pypi" else "sgl-project/sglang", sha=m.get("commit"),
-            version=m.get("version") or (None if m.get("commit") else
-                                         "tree-" + m["package_hash"][:12]),
-            committed_at=now, patches=m["patches"],
-            probes={p["fix"]: p["status"] for p in m["probes_after"]}, base_env=m.get("base_env"),
-            manifest=m), build_request(info)
+        info = build_info(self.dispatcher.prepare_build(b.source, b.patches, base.python))
+        if isinstance(info, InstalledBuild):  # the SGLang installed in the engine's python
+            return (replace(base, version=info.version),
+                    BuildRef("sgl-project/sglang", version=info.version, committed_at=now),
+                    info.request())
+        return (replace(base, version=info.manifest.get("version")),
+                made_build_ref(info.manifest, committed_at=now), info.request())
 
     def _run_started(self, run_id: int) -> None:
         def started(s) -> None:
@@ -722,7 +479,7 @@ class JobService:
                 path.unlink(missing_ok=True)
             return self._fail_run(run_id, f"it could not be recorded in the store: "
                                           f"{describe(exc)}")
-        self.counters.run_seconds.append(result.seconds)
+        self.counters.run_finished(result.seconds)
         return None
 
     def _fail_run(self, run_id: int, reason: str) -> str:
@@ -784,27 +541,6 @@ def _end_leftovers(session, job_id: str, error: str | None) -> None:
     session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
                     .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
                             reason=f"it ended but could not be recorded: {error or 'unknown'}"))
-
-
-def _check_model(engine: str, key: str, path: str) -> None:
-    where = f"models.{key}.path"
-    if path.startswith("-"):
-        raise JobError(f"{where}: {path!r} is not a model (it starts with '-')")
-    try:
-        if engine == "embedded":
-            from evalsvc.engines.embedded.paths import shipped_model_dir
-
-            if shipped_model_dir(path) is None and not (Path(path) / "config.json").is_file():
-                raise JobError(f"{where}: {path!r} is neither a shipped model nor a model "
-                               "directory")
-        elif path.startswith(("/", ".", "~")) or Path(path).exists():
-            if not Path(path).expanduser().is_dir():
-                raise JobError(f"{where}: no such directory {path}")
-        elif not HUB_ID.fullmatch(path) or ".." in path:
-            raise JobError(f"{where}: {path!r} is neither a model directory nor a hub model id "
-                           "(NAME or NAMESPACE/NAME)")
-    except OSError as exc:
-        raise JobError(f"{where}: {path[:200]!r} cannot be used ({exc.strerror})") from None
 
 
 def kill_engine_group(pid: int) -> None:

@@ -1,7 +1,7 @@
 """The service's outer guard, a pure ASGI middleware that acts on the request line and headers
 before any route runs, so nothing reads a body it would refuse:
 
-* Auth (who is asking: ``evalsvc/api/auth.py``). With no accounts at all (no token, no user, no
+* Auth (who is asking: ``evalsvc/web/auth.py``). With no accounts at all (no token, no user, no
   trusted header) everything is open (the service binds loopback only). Otherwise a mutating
   request of the API (any method but GET, HEAD and OPTIONS) needs a write token as a bearer token
   (``EVALSVC_API_TOKEN`` or a write user's); a dashboard form needs a signed-in (or
@@ -26,8 +26,8 @@ from urllib.parse import parse_qsl, quote
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from evalsvc.api.auth import OPEN_USER, Accounts, User
 from evalsvc.settings import Settings
+from evalsvc.web.auth import OPEN_USER, Accounts, User
 
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz"})  # liveness probes carry no token

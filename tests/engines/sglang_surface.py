@@ -3,7 +3,7 @@
 Run by the python of an env that ``evalsvc.builds.sglang_env`` built, never by evalsvc's own
 python, and without importing evalsvc::
 
-    <env python> evalsvc/builds/sglang_surface.py > surface.json
+    <env python> tests/engines/sglang_surface.py > surface.json
 
 Prints, as JSON on stdout (SGLang's own prints go to stderr):
 

@@ -1,4 +1,7 @@
-"""The service: a FastAPI app over the store and the job runner (``create_app(settings)``)."""
+"""The service's composition root: one FastAPI app over the store and the job runner
+(``create_app(settings)``), with the REST API (``api/``, under ``/api/v1``) and the dashboard
+(``dashboard/``) mounted side by side, the guard and session middleware, the error handlers,
+``/healthz`` and ``/metrics``. What the two share lives in ``web/``."""
 
 from __future__ import annotations
 
@@ -15,13 +18,14 @@ from starlette.middleware.sessions import SessionMiddleware
 
 from evalsvc import __version__
 from evalsvc.api import routes
-from evalsvc.api.auth import Accounts, session_secret
-from evalsvc.api.deps import Services, require_read
-from evalsvc.api.middleware import HttpGuard
 from evalsvc.dashboard import mount_dashboard
 from evalsvc.jobs import describe
 from evalsvc.settings import Settings
 from evalsvc.store.lock import StoreLocked
+from evalsvc.validation import describe_errors
+from evalsvc.web.auth import Accounts, session_secret
+from evalsvc.web.deps import Services, require_read
+from evalsvc.web.middleware import HttpGuard
 
 log = logging.getLogger("evalsvc.api")
 SESSION_COOKIE = "evalsvc_session"
@@ -75,9 +79,7 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}"
-                             for e in exc.errors())
-        return JSONResponse({"detail": problems}, status_code=422)
+        return JSONResponse({"detail": describe_errors(exc)}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -1,0 +1,18 @@
+"""Jobs: a job's contract (``spec``), what it runs (``plan``) and the service that queues and runs
+it (``service``)."""
+
+from evalsvc.jobs.plan import UnknownConfigs, plan_runs
+from evalsvc.jobs.service import JobService, describe, kill_engine_group
+from evalsvc.jobs.spec import (
+    BuildSpec,
+    JobCreate,
+    JobError,
+    JobSpec,
+    check_storable,
+    mint_id,
+    validate_job,
+)
+
+__all__ = ["BuildSpec", "JobCreate", "JobError", "JobService", "JobSpec", "UnknownConfigs",
+           "check_storable", "describe", "kill_engine_group", "mint_id", "plan_runs",
+           "validate_job"]
