@@ -3,11 +3,10 @@ knows whether Ray exists)."""
 
 from __future__ import annotations
 
+from evalsvc.dispatch.errors import DispatchError
 from evalsvc.settings import Settings
 
-
-class DispatchError(RuntimeError):
-    """Runs cannot go where the settings send them; the message names the setting."""
+__all__ = ["DispatchError", "make_dispatcher"]
 
 
 def make_dispatcher(settings: Settings):

@@ -69,8 +69,8 @@ from pathlib import Path
 from typing import Any
 
 from evalsvc.builds.build import BuildError
-from evalsvc.dispatch import DispatchError
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
+from evalsvc.dispatch.errors import DispatchError
 from evalsvc.harness import RunControl
 from evalsvc.settings import Settings
 from evalsvc.types import RunResult

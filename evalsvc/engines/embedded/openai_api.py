@@ -22,7 +22,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError
 
 from .outputs import build_output, sse
-from .protocol import GenerateReqIn, RequestError, check_body, describe, normalize
+from .protocol import (
+    GenerateReqIn,
+    RequestError,
+    StreamRefused,
+    check_body,
+    describe,
+    normalize,
+    openai_error,
+    read_json,
+)
 from .scheduler import GenerateInput
 from .tokenizer import ChatTemplateError, TextTokenizer
 
@@ -270,7 +279,6 @@ def _finish(meta: dict) -> tuple[str | None, Any]:
 
 
 def add_openai_routes(app: FastAPI, engine, not_ready: Callable[[], Response | None]) -> None:
-    from .server import StreamRefused, openai_error, read_json
 
     def cache_report(meta: dict) -> int | None:
         return meta.get("cached_tokens", 0) if engine.args.enable_cache_report else None

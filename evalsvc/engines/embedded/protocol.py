@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -421,3 +422,27 @@ def describe(exc: ValidationError, prefix: str = "") -> str:
         else:
             parts.append(f"{where}: {msg}")
     return "; ".join(parts)
+
+
+class StreamRefused(Exception):
+    """A streamed request refused before its first chunk (answered as a plain 400)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_json(request: Any) -> Any:
+    """The body as JSON; RequestError (naming the problem) if it is not."""
+    try:
+        return await request.json()
+    except ValueError:
+        raise RequestError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise RequestError(f"the request body: nested deeper than {MAX_BODY_DEPTH} levels") from None
+
+
+def openai_error(message: str, status: int = 400, err_type: str = "BadRequest") -> JSONResponse:
+    """SGLang's ErrorResponse for the OpenAI-compatible and tokenizer endpoints."""
+    return JSONResponse({"object": "error", "message": message, "type": err_type, "param": None,
+                         "code": status}, status_code=status)

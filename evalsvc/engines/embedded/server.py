@@ -28,7 +28,16 @@ from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from .args import EngineArgs
 from .deps import missing_dependency
 from .outputs import StreamState, build_output, sse
-from .protocol import MAX_BODY_DEPTH, GenerateReqIn, RequestError, check_body, describe, normalize
+from .protocol import (
+    GenerateReqIn,
+    RequestError,
+    StreamRefused,
+    check_body,
+    describe,
+    normalize,
+    openai_error,
+    read_json,
+)
 from .scheduler import GenerateInput, Req, SamplingParams, Scheduler, rid_key
 
 log = logging.getLogger("evalsvc.engine")
@@ -46,14 +55,6 @@ def engine_threads() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"EVALSVC_ENGINE_THREADS={value!r}: give a positive integer")
     return int(value)
-
-
-class StreamRefused(Exception):
-    """A streamed request refused before its first chunk (answered as a plain 400)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Engine:
@@ -194,16 +195,6 @@ def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-async def read_json(request: Request) -> Any:
-    """The body as JSON; RequestError (naming the problem) if it is not."""
-    try:
-        return await request.json()
-    except ValueError:
-        raise RequestError("the request body is not valid JSON") from None
-    except RecursionError:
-        raise RequestError(f"the request body: nested deeper than {MAX_BODY_DEPTH} levels") from None
-
-
 async def stream_response(engine: Engine, inputs: list[GenerateInput], batch: bool,
                           prompt_token_ids: bool) -> Response:
     """SGLang's ``/generate`` stream: ``data:`` chunks, then ``data: [DONE]``. The first chunk is
@@ -263,12 +254,6 @@ class DetokenizeIn(BaseModel):
     model: str = "default"
     tokens: list[StrictInt] | list[list[StrictInt]]
     skip_special_tokens: bool = True
-
-
-def openai_error(message: str, status: int = 400, err_type: str = "BadRequest") -> JSONResponse:
-    """SGLang's ErrorResponse for the OpenAI-compatible and tokenizer endpoints."""
-    return JSONResponse({"object": "error", "message": message, "type": err_type, "param": None,
-                         "code": status}, status_code=status)
 
 
 def create_app(args: EngineArgs, started: float | None = None) -> FastAPI:
