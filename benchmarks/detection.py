@@ -54,12 +54,13 @@ sys.path.insert(0, str(ROOT))
 from evalsvc.engines.base import EngineSpec  # noqa: E402
 from evalsvc.evaluate import evaluate, prepare  # noqa: E402
 from evalsvc.harness import EnginePool  # noqa: E402
+from evalsvc.jobs.record import JobRecord  # noqa: E402
 from evalsvc.judging import POOLED  # noqa: E402
 from evalsvc.matrix import MatrixFile, load_matrix  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
 from evalsvc.store.models import Build, Commit, Metric, Regression, Run, Verdict  # noqa: E402
-from evalsvc.store.record import BuildRef, record_results  # noqa: E402
-from evalsvc.verdicts import judge_recorded  # noqa: E402
+from evalsvc.store.record import BuildRef  # noqa: E402
+from evalsvc.verdicts import judge_and_track  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -116,16 +117,18 @@ def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | Non
     cfgs, prompts = prepare(matrix, spec)
     if configs:
         cfgs = [c for c in cfgs if c.name in configs]
-    results = evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True),
-                       engines=engines)
-    run_ids = record_results(
-        store, job_id=f"{label}-{seed}", trigger="cli",
-        spec={"matrix_name": matrix.name, "matrix": matrix.model_dump(mode="json"),
-              "engine": "embedded", "track": track},
-        build=BuildRef("bench/embedded", version=label, committed_at=START + timedelta(days=day)),
-        matrix=matrix.name, results=results, results_dir=work / "results")
-    judge_recorded(store, run_ids, track_regressions=track)
-    return run_ids
+    record = JobRecord.start(
+        store, work / "results", f"{label}-{seed}", "cli",
+        BuildRef("bench/embedded", version=label, committed_at=START + timedelta(days=day)),
+        matrix.name, cfgs, spec={"matrix_name": matrix.name,
+                                 "matrix": matrix.model_dump(mode="json"),
+                                 "engine": "embedded", "track": track})
+    try:
+        evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True), engines=engines,
+                 on_result=record.record)
+    finally:
+        record.finish()
+    return record.run_ids
 
 
 def verdict_counts(store: Store) -> dict[str, Any]:
@@ -292,13 +295,11 @@ def rejudge(store: Store) -> dict[str, Any]:
     jobs that tracked them before)."""
     with store.session() as s:
         s.execute(delete(Regression))
-        runs = s.execute(select(Run.id, Run.job_id).join(Build, Run.build_id == Build.id)
+        runs = s.scalars(select(Run.id).join(Build, Run.build_id == Build.id)
                          .join(Commit, Build.commit_id == Commit.id)
                          .order_by(Commit.committed_at, Run.finished_at, Run.id)).all()
-        tracked = {r.id for r in s.scalars(select(Run).where(Run.id.in_([r for r, _ in runs])))
-                   if (r.job.spec or {}).get("track")}
-    for run_id, _ in runs:
-        judge_recorded(store, [run_id], track_regressions=run_id in tracked)
+    for run_id in runs:
+        store.write(lambda s, run_id=run_id: judge_and_track(s, run_id))
     return verdict_counts(store)
 
 

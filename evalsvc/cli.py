@@ -95,12 +95,14 @@ def run(
     import json
     import logging
     import time
+    from dataclasses import replace
 
     from rich.console import Console
 
+    from evalsvc.builds.build import BuildError
     from evalsvc.engines.base import EngineSpec
     from evalsvc.evaluate import dry_run_commands, evaluate, prepare, results_table
-    from evalsvc.jobs import UnknownConfigs, mint_id
+    from evalsvc.jobs import BuildSpec, UnknownConfigs, mint_id
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.workloads import WorkloadError
@@ -116,31 +118,40 @@ def run(
     if kind not in ("embedded", "sglang"):
         console.print(f"[red]error:[/] --engine {kind}: use embedded or sglang")
         raise typer.Exit(2)
-    env = {}
-    if inject_defect:
-        if kind != "embedded":
-            console.print("[red]error:[/] --inject-defect needs the embedded engine")
-            raise typer.Exit(2)
-        env["EVALSVC_ENGINE_DEFECTS"] = ",".join(inject_defect)
-    build = None
-    if source or patch:
-        from evalsvc.builds.build import BuildError, make_build
+    if inject_defect and kind != "embedded":
+        console.print("[red]error:[/] --inject-defect needs the embedded engine")
+        raise typer.Exit(2)
+    if (source or patch) and (kind != "sglang" or not source):
+        console.print("[red]error:[/] --source/--patch need --engine sglang and a --source")
+        raise typer.Exit(2)
+    wanted = BuildSpec(source=source, patches=[*(patch or []),
+                                               *(f"defect:{d}" for d in inject_defect or [])])
+    base = EngineSpec(kind=kind, python=engine_python or (sys.executable if kind == "sglang"
+                                                          else None))
+    ready = None
+    if kind == "embedded" or source or not dry_run:  # a dry run makes no build, but a source's
+        from evalsvc.dispatch.base import prepare_build
+        from evalsvc.jobs.builds import Provenance, ready_build
 
-        if kind != "sglang" or not source:
-            console.print("[red]error:[/] --source/--patch need --engine sglang and a --source")
-            raise typer.Exit(2)
+        said = Provenance(repository, commit,
+                          _commit_time(commit_time) if commit_time else None, branch)
         try:
-            build = make_build(source, patch or [], base_python=engine_python)
+            ready = ready_build(base, wanted, prepare_build, said)
         except BuildError as exc:
             console.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
-        env.update(build.env())
-        sglang_version = sglang_version or build.manifest.get("version")
-    elif kind == "sglang" and not sglang_version:
+        spec = ready.engine
+        if ready.request is not None:  # the build this machine made, as each run of a job finds it
+            from evalsvc.dispatch.base import engine_for
+
+            spec = engine_for(spec, ready.request)
+    else:
         from evalsvc.builds.build import installed_version
 
-        sglang_version = installed_version(engine_python or sys.executable)
-    spec = EngineSpec(kind=kind, python=engine_python, version=sglang_version, env=env)
+        spec = EngineSpec(kind=kind, python=engine_python,
+                          version=installed_version(base.python))
+    if sglang_version:  # the operator's release to spell flags for
+        spec = replace(spec, version=sglang_version)
     try:
         cfgs, prompts = prepare(mat, spec, model, configs)
     except UnknownConfigs as exc:
@@ -156,61 +167,45 @@ def run(
         return
     job_id = mint_id("cli", digits=6)
     out = out or Path("out") / job_id
-    build_info = build_ref(kind, sglang_version, repository, commit, commit_time, branch,
-                           inject_defect or [], build)
-    t0 = time.monotonic()
-    results = evaluate(mat, cfgs, prompts, spec, out, console)
-    console.print(results_table(results, f"{mat.name}: {len(cfgs)} configs, "
-                                         f"{time.monotonic() - t0:.0f} s"))
-    console.print(f"results: {out}/summary.json, {out}/samples.parquet, logs in {out}/logs")
+    record = None
     if store:
+        from evalsvc.jobs.record import JobRecord
         from evalsvc.settings import Settings
         from evalsvc.store.db import Store
-        from evalsvc.store.record import record_results
-        from evalsvc.verdicts import judge_recorded
 
         settings = Settings()
         db = Store(settings.resolved_database_url())
-        try:
-            run_ids = record_results(
-                db, job_id=job_id, trigger="cli", build=build_info, matrix=mat.name,
-                spec={"matrix_name": mat.name, "matrix": mat.model_dump(mode="json"),
-                      "engine": kind, "configs": configs or None, "build": build_info.ref,
-                      "patches": build_info.patches},
-                results=results, results_dir=settings.results_dir())
-            judge_recorded(db, run_ids)
-        finally:
+        record = JobRecord.start(
+            db, settings.results_dir(), job_id, "cli", ready.ref, mat.name, cfgs,
+            spec={"matrix_name": mat.name, "matrix": mat.model_dump(mode="json"),
+                  "engine": kind, "configs": configs or None, "build": ready.ref.ref,
+                  "patches": ready.ref.patches})
+    t0 = time.monotonic()
+    try:
+        results = evaluate(mat, cfgs, prompts, spec, out, console,
+                           on_result=record.record if record else None)
+    finally:
+        if record is not None:
+            record.finish()
             db.close()
-        console.print(f"recorded as job {job_id} of build {build_info.ref}"
-                      f"{' +' + build_info.patch_set if build_info.patch_set else ''} in "
+    console.print(results_table(results, f"{mat.name}: {len(cfgs)} configs, "
+                                         f"{time.monotonic() - t0:.0f} s"))
+    console.print(f"results: {out}/summary.json, {out}/samples.parquet, logs in {out}/logs")
+    if record is not None:
+        patch_set = ready.ref.patch_set
+        console.print(f"recorded as job {job_id} of build {ready.ref.ref}"
+                      f"{' +' + patch_set if patch_set else ''} in "
                       f"{settings.resolved_database_url()}")
     bad = [r for r in results if r.verdict in ("fail", "error", "invalid")]
-    raise typer.Exit(1 if bad else 0)
+    raise typer.Exit(1 if bad or (record is not None and record.failures) else 0)
 
 
-def build_ref(kind: str, version: str | None, repository: str | None, commit: str | None,
-              commit_time: str | None, branch: str | None, defects: list[str], build=None):
-    """What a CLI run evaluated: an SGLang commit or release (or an engine build of one), or this
-    project's embedded engine (whose switched-on defects count as its patch set)."""
+def _commit_time(text: str):
+    """--commit-time as an aware time (a naive one taken as UTC)."""
     from datetime import UTC, datetime
 
-    from evalsvc import __version__
-    from evalsvc.store.record import BuildRef
-
-    when = datetime.fromisoformat(commit_time) if commit_time else datetime.now(UTC)
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    if kind == "embedded":
-        return BuildRef(repository=repository or "evalsvc/embedded", sha=commit,
-                        version=None if commit else __version__, committed_at=when, branch=branch,
-                        patches=[f"defect:{d}" for d in defects])
-    if build is not None:
-        from evalsvc.jobs.plan import made_build_ref
-
-        return made_build_ref(build.manifest, when, repository, commit, branch)
-    return BuildRef(repository=repository or "sgl-project/sglang", sha=commit,
-                    version=None if commit else (version or "unknown"), committed_at=when,
-                    branch=branch)
+    when = datetime.fromisoformat(text)
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
 @app.command()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,10 @@ def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]
 
 
 def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
-             console: Console | None = None, engines: EnginePool | None = None) -> list[RunResult]:
-    """Every config, one run at a time; ``engines``: engines kept between runs (``EnginePool``)."""
+             console: Console | None = None, engines: EnginePool | None = None,
+             on_result: Callable[[Config, RunResult], None] | None = None) -> list[RunResult]:
+    """Every config, one run at a time; ``engines``: engines kept between runs (``EnginePool``);
+    ``on_result(config, result)`` as each run ends (``jobs.record.JobRecord.record``)."""
     console = console or Console()
     bad_models: dict[str, str] = {}
     by_model = tokenized(matrix, spec, prompts, errors=bad_models)
@@ -84,6 +86,8 @@ def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpe
                             description=f"  {cfg.name}: {result.verdict}")
             progress.advance(overall)
             results.append(result)
+            if on_result is not None:
+                on_result(cfg, result)
     write_outputs(results, out_dir)
     return results
 
@@ -190,7 +194,3 @@ def results_table(results: list[RunResult], title: str) -> Table:
                       f"[{style.get(verdict, 'white')}]{verdict}[/]"
                       + (f" ({row['reason'][:60]})" if verdict != "pass" and row["reason"] else ""))
     return table
-
-
-def run_seconds(start: float) -> str:
-    return f"{time.monotonic() - start:.0f} s"

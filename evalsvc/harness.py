@@ -222,8 +222,8 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
             draft = config.args.get("speculative_num_draft_tokens")
             client = watchdog.client = EngineClient(
                 proc.base_url, draft_tokens=draft, concurrency=matrix.workload.concurrency)
-            _drive(result, proc, client, config, matrix, prompts, reference, on_scenario, control,
-                   watchdog)
+            _drive(result, proc, client, config, matrix, spec.kind, prompts, reference,
+                   on_scenario, control, watchdog)
     except EngineStartError as exc:
         if control is not None and control.cancelled:
             result.verdict, result.reason = "cancelled", "the job was cancelled"
@@ -261,10 +261,10 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
 
 
 def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config: Config,
-           matrix: MatrixFile, prompts: list[tuple[str, list[int]]],
+           matrix: MatrixFile, engine: str, prompts: list[tuple[str, list[int]]],
            reference: EngineClient | None, on_scenario, control: RunControl | None,
            watchdog: Watchdog) -> None:
-    """The scenarios of a run on its started engine; fills ``result``."""
+    """The scenarios of a run on its started engine (of kind ``engine``); fills ``result``."""
     resolved = parse_server_info(client.server_info())
     result.resolved_args = {k: v for k, v in resolved.items() if not isinstance(v, dict | list)}
     problems = resolved_mismatches(config.args, resolved)
@@ -283,7 +283,7 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
     for name in config.scenarios:
         if control is not None and control.cancelled:
             break
-        scen = run_scenario(name, ctx, config, matrix, resolved)
+        scen = run_scenario(name, ctx, config, matrix, resolved, engine=engine)
         reason = None
         if scen.verdict == "error":
             if watchdog.reason is not None:  # the deadline passed: the engine was killed
@@ -341,11 +341,13 @@ def start_engine(config: Config, spec: EngineSpec, log_path: Path | None, attemp
 
 
 def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
-                 resolved: dict[str, Any]) -> ScenarioResult:
+                 resolved: dict[str, Any], *, engine: str | None = None) -> ScenarioResult:
+    """One scenario, scored and judged against the limits on ``engine`` (the run's engine kind;
+    default the matrix's)."""
     t0 = time.monotonic()
     try:
         samples = SCENARIO_RUNNERS[name](ctx)
-        result = score(name, samples, config, matrix, resolved)
+        result = score(name, samples, config, matrix, resolved, engine=engine)
     except (ScenarioError, ValueError, OSError) as exc:
         log.warning("run %s scenario %s: %s", config.name, name, exc)
         result = ScenarioResult(name, "error", f"{type(exc).__name__}: {exc}")
@@ -357,8 +359,9 @@ def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
 
 
 def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
-          resolved: dict[str, Any]) -> ScenarioResult:
-    """KL estimators, hit coverage, acceptance and the verdict of one scenario.
+          resolved: dict[str, Any], *, engine: str | None = None) -> ScenarioResult:
+    """KL estimators, hit coverage, acceptance and the verdict of one scenario (against the limits
+    on ``engine``, the run's engine kind; default the matrix's).
 
     Every sample's tokens are scored in one pass (``metrics.token_kl_by_sample``), decode and
     extend apart; per-sample values equal those of the sample's own arrays, bit for bit."""
@@ -423,7 +426,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m.update({f"accept_{k}": v for k, v in metrics.summarize_acceptance(
             counters, resolved.get("avg_spec_accept_length")).items()})
         m["accept_length"] = metrics.sglang_accept_length(counters)
-    verdict, reason = decide(name, m, config, matrix)
+    verdict, reason = decide(name, m, config, matrix, engine=engine)
     return ScenarioResult(name, verdict, reason, m, rows)
 
 
@@ -442,11 +445,12 @@ def collections_held():
             gc.enable()
 
 
-def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile) -> tuple[str, str]:
-    """pass / fail / inconclusive for one scenario against its fixed limits
-    (``judging.judge_scenario``)."""
-    return judging.judge_scenario(name, m, judging.scenario_limits(config, matrix, name),
-                                  uses_mtp=config.uses_mtp)
+def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile, *,
+           engine: str | None = None) -> tuple[str, str]:
+    """pass / fail / inconclusive for one scenario against its fixed limits on ``engine``
+    (``judging.judge_scenario``), as ``verdicts.judge_run`` finds them for the job's engine."""
+    limits = judging.scenario_limits(config, matrix, name, engine=engine)
+    return judging.judge_scenario(name, m, limits, uses_mtp=config.uses_mtp)
 
 
 def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,

@@ -309,17 +309,14 @@ def last_good_run(session: Session, run: Run, scenario: str, metric: str) -> int
     return None
 
 
-def judge_recorded(store, run_ids: list[int], track_regressions: bool = False) -> list[Verdict]:
-    """Judge runs recorded outside the job service (``evalsvc run --store``), each in a
-    transaction of its own, oldest first; optionally tracking their regressions."""
-    out = []
-    for run_id in run_ids:
-        with store.session() as s:
-            verdicts = judge_run(s, run_id)
-            if track_regressions:
-                track(s, s.get(Run, run_id), verdicts)
-            out.extend(verdicts)
-    return out
+def judge_and_track(session: Session, run_id: int) -> list[Verdict]:
+    """Judge a recorded run (``judge_run``) and, when its job tracks them (``track`` in the job's
+    spec, as nightly jobs do), open and close its series' regressions (``track``)."""
+    verdicts = judge_run(session, run_id)
+    run = session.get(Run, run_id)
+    if (run.job.spec or {}).get("track"):
+        track(session, run, verdicts)
+    return verdicts
 
 
 def compare_builds(session: Session, baseline_build: int, contender_build: int,

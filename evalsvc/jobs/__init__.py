@@ -2,7 +2,8 @@
 it (``service``)."""
 
 from evalsvc.jobs.plan import UnknownConfigs, plan_runs
-from evalsvc.jobs.service import JobService, describe, kill_engine_group
+from evalsvc.jobs.record import describe
+from evalsvc.jobs.service import JobService, kill_engine_group
 from evalsvc.jobs.spec import (
     BuildSpec,
     JobCreate,

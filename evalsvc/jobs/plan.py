@@ -1,5 +1,4 @@
-"""What a job runs on one build: the matrix expanded for the engine, narrowed to the configs asked,
-and what the store records of an SGLang build made for it.
+"""What a job runs on one build: the matrix expanded for the engine, narrowed to the configs asked.
 
 Pure (no store, no engine): the service plans each build of a job with it, ``evalsvc run`` its
 one build, and a job's validation checks the configs it names against it.
@@ -8,12 +7,9 @@ one build, and a job's validation checks the configs it names against it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
-from typing import Any
 
 from evalsvc.engines.base import EngineSpec
 from evalsvc.matrix import Config, MatrixFile, expand
-from evalsvc.store.record import BuildRef
 
 
 class UnknownConfigs(ValueError):
@@ -44,20 +40,3 @@ def plan_runs(matrix: MatrixFile, engine: EngineSpec, workload_version: str = ""
     if unknown and strict:
         raise UnknownConfigs(matrix.name, unknown, [c.name for c in expanded])
     return [c for c in expanded if c.name in wanted]
-
-
-def made_build_ref(manifest: dict[str, Any], committed_at: datetime,
-                   repository: str | None = None, commit: str | None = None,
-                   branch: str | None = None) -> BuildRef:
-    """The build the store records for an SGLang build made from a source (its manifest,
-    ``builds.build``): its repository and commit (``repository``, ``commit``: what the operator
-    says, where the manifest names none), else its release, else its code's hash."""
-    m = manifest
-    return BuildRef(repository=repository or (m["location"] if m["kind"] != "pypi"
-                                              else "sgl-project/sglang"),
-                    sha=m.get("commit") or commit,
-                    version=m.get("version") or (None if m.get("commit") or commit
-                                                 else "tree-" + m["package_hash"][:12]),
-                    committed_at=committed_at, branch=branch, patches=m["patches"],
-                    probes={p["fix"]: p["status"] for p in m["probes_after"]},
-                    base_env=m.get("base_env"), manifest=m)

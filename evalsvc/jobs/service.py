@@ -17,18 +17,25 @@ import signal
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select, update
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.alerts import collect, deliver
 from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
-from evalsvc.jobs.plan import made_build_ref, plan_runs
+from evalsvc.jobs.builds import ReadyBuild, ready_build
+from evalsvc.jobs.plan import plan_runs
+from evalsvc.jobs.record import (
+    cancel_pending,
+    describe,
+    end_job,
+    fail_run,
+    plan_build_runs,
+    record_result,
+)
 from evalsvc.jobs.spec import BuildSpec, JobCreate, JobSpec, mint_id, validate_job
 from evalsvc.logs import log_context
 from evalsvc.paths import inside
@@ -38,16 +45,8 @@ from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
 from evalsvc.store.models import Job, Run, utcnow
-from evalsvc.store.record import (
-    BuildRef,
-    ensure_build,
-    ensure_job,
-    plan_run,
-    record_run,
-    write_samples_parquet,
-)
+from evalsvc.store.record import ensure_job
 from evalsvc.tokenization import tokenized
-from evalsvc.verdicts import judge_run, track
 
 log = logging.getLogger("evalsvc.jobs")
 
@@ -206,7 +205,7 @@ class JobService:
                     log.info("job %s resumes after a restart", job.id)
                     continue
                 self._count(job.status)
-                _cancel_pending(s, job.id)
+                cancel_pending(s, job.id)
         self._ended_one()
 
     # ---- a job's end -----------------------------------------------------------------------
@@ -310,9 +309,7 @@ class JobService:
                         counted = True
                     self._failing = None  # set again below if this write fails too
                     with self.store.session() as s:
-                        _end_leftovers(s, job_id, error)
-                        s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
-                                  .values(status=status, error=error, finished_at=utcnow()))
+                        end_job(s, job_id, status, error)
                     self._cancelled.discard(job_id)
                 self._ended_one()
                 log.info("job %s %s", job_id, status)
@@ -358,32 +355,23 @@ class JobService:
         self._check_cancelled(job_id)
         by_model = tokenized(matrix, base, prompts)
         log_dir = inside(self.settings.data_dir, "logs", job_id)
-        tasks: list[tuple[int, RunTask, str]] = []
+        tasks: list[tuple[int, RunTask]] = []
         for b in spec.builds:
             self._check_cancelled(job_id)
             engine, ref, request = self._prepare_build(base, b)
             self._check_cancelled(job_id)
             # validated when submitted: a config its build's release excludes is left out
             configs = plan_runs(matrix, engine, version, spec.configs, strict=False)
-            def planned(s, configs=configs, engine=engine, ref=ref, request=request):
-                job = s.get(Job, job_id)
-                build = ensure_build(s, ref)
-                pending = []
-                for cfg in configs:
-                    self._check_cancelled(job_id)
-                    run = plan_run(s, job, build, matrix.name, cfg)
-                    if run.status == "pending":
-                        pending.append((run.id, RunTask.make(
-                            job_id, run.id, matrix, cfg, engine, by_model[cfg.model],
-                            inside(log_dir, f"build-{build.id}"), build=request,
-                            run_timeout_s=self.settings.run_timeout_s,
-                            matrix_json=stored["matrix"]), cfg.name))
-                return pending
-
-            tasks += self.store.write(planned, f"job {job_id}: its runs planned")
+            planned = plan_build_runs(self.store, job_id, ref, matrix.name, configs,
+                                      check=lambda: self._check_cancelled(job_id))
+            tasks += [(p.run_id, RunTask.make(
+                job_id, p.run_id, matrix, p.config, engine, by_model[p.config.model],
+                inside(log_dir, f"build-{p.build_id}"), build=request,
+                run_timeout_s=self.settings.run_timeout_s, matrix_json=stored["matrix"]))
+                for p in planned if p.status == "pending"]
         futures: list[tuple[int, Future]] = []
         try:
-            for run_id, task, _name in tasks:
+            for run_id, task in tasks:
                 if self._is_cancelled(job_id):
                     break
                 futures.append((run_id, self.dispatcher.submit(
@@ -419,29 +407,10 @@ class JobService:
             return "failed", "; ".join(failures)
         return "done", None
 
-    def _prepare_build(self, base: EngineSpec, b: BuildSpec | dict[str, Any]
-                       ) -> tuple[EngineSpec, BuildRef, dict[str, Any] | None]:
-        """The engine spec, the store's build and the build request each run carries. An SGLang
-        build is made by the dispatcher where the runs go (BuildError if it cannot be)."""
-        b = BuildSpec.model_validate(b) if isinstance(b, dict) else b  # a stored job's build
-        now = utcnow()
-        if base.kind == "embedded":
-            from evalsvc.builds.embedded import embedded_build
-
-            eb = embedded_build(b.source, b.patches)
-            return (EngineSpec(kind="embedded", env=eb.env),
-                    BuildRef(eb.repository, sha=eb.sha, version=eb.version,
-                             committed_at=eb.committed_at, patches=eb.patches,
-                             manifest=eb.manifest), None)
-        from evalsvc.dispatch.base import InstalledBuild, build_info
-
-        info = build_info(self.dispatcher.prepare_build(b.source, b.patches, base.python))
-        if isinstance(info, InstalledBuild):  # the SGLang installed in the engine's python
-            return (replace(base, version=info.version),
-                    BuildRef("sgl-project/sglang", version=info.version, committed_at=now),
-                    info.request())
-        return (replace(base, version=info.manifest.get("version")),
-                made_build_ref(info.manifest, committed_at=now), info.request())
+    def _prepare_build(self, base: EngineSpec, b: BuildSpec | dict[str, Any]) -> ReadyBuild:
+        """A build of the job made ready (``jobs.builds.ready_build``); an SGLang build is made by
+        the dispatcher where the runs go (BuildError if it cannot be)."""
+        return ready_build(base, b, self.dispatcher.prepare_build)
 
     def _run_started(self, run_id: int) -> None:
         def started(s) -> None:
@@ -456,46 +425,15 @@ class JobService:
         self.store.write(engine_up, f"run {run_id}: its engine's pid")
 
     def _record(self, job_id: str, run_id: int, result) -> str | None:
-        """Record a finished run and its verdicts. A write that fails (its samples file, the
-        store) fails the run instead, the error on the run where the store takes it; returns
-        that error, None when recorded."""
-        target = inside(self.settings.results_dir(), job_id, f"{run_id}.parquet")
-        try:
-            path = write_samples_parquet(result, target)
-        except OSError as exc:  # a full disk, a file where a folder should be
-            return self._fail_run(run_id, f"its samples could not be written to {target}: "
-                                          f"{describe(exc)}")
-        def recorded(s) -> None:  # the run and its verdicts in one transaction
-            run = s.get(Run, run_id)
-            record_run(s, run.job, run.build, run.matrix, result, path)
-            verdicts = judge_run(s, run.id)
-            if run.job.spec.get("track"):
-                track(s, run, verdicts)
-
-        try:  # a lost connection is retried first (the database server restarting)
-            self.store.write(recorded, f"run {run_id}: its record")
-        except (SQLAlchemyError, OSError) as exc:
-            if path is not None:
-                path.unlink(missing_ok=True)
-            return self._fail_run(run_id, f"it could not be recorded in the store: "
-                                          f"{describe(exc)}")
-        self.counters.run_finished(result.seconds)
-        return None
+        """Record a finished run and its verdicts (``jobs.record.record_result``); returns the
+        run's error when it could not be, None when recorded."""
+        failure = record_result(self.store, self.settings.results_dir(), job_id, run_id, result)
+        if failure is None:
+            self.counters.run_finished(result.seconds)
+        return failure
 
     def _fail_run(self, run_id: int, reason: str) -> str:
-        """Mark a run failed (verdict error) where the store takes it; returns the job's error."""
-        error = f"run {run_id}: {reason}"
-        log.error("%s", error)
-        def failed(s) -> None:
-            run = s.get(Run, run_id)
-            run.status, run.verdict, run.reason = "done", "error", reason
-            run.engine_pid, run.finished_at = None, utcnow()
-
-        try:
-            self.store.write(failed, f"run {run_id}: its failure")
-        except Exception:
-            log.exception("run %d: its failure could not be written either", run_id)
-        return error
+        return fail_run(self.store, run_id, reason)
 
     def _alert(self, job_id: str) -> None:
         try:
@@ -518,29 +456,6 @@ class JobService:
 
 class _Cancelled(Exception):
     """Raised in a job's phases once its cancel was asked."""
-
-
-def describe(exc: BaseException) -> str:
-    """An error for a job, a run or a response: the driver's message for a database error (not the SQL)."""
-    orig = getattr(exc, "orig", None)
-    if isinstance(exc, DBAPIError) and orig is not None:
-        exc = orig
-    return f"{type(exc).__name__}: {exc}".strip()
-
-
-def _cancel_pending(session, job_id: str) -> None:
-    """A job that ended without running them: its pending runs are cancelled."""
-    session.execute(update(Run).where(Run.job_id == job_id, Run.status == "pending")
-                    .values(status="cancelled", finished_at=utcnow()))
-
-
-def _end_leftovers(session, job_id: str, error: str | None) -> None:
-    """A job at its end: its pending runs are cancelled, and a run still marked running (its end
-    could not be written) is an error."""
-    _cancel_pending(session, job_id)
-    session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
-                    .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
-                            reason=f"it ended but could not be recorded: {error or 'unknown'}"))
 
 
 def kill_engine_group(pid: int) -> None:

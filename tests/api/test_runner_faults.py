@@ -102,7 +102,7 @@ def wait_job(store: Store, job_id: str, timeout: float = 120,
 # the functions of a job's phases, by where the runner finds them
 TRACED = {"load_prompts": evalsvc.workloads, "tokenized": evalsvc.jobs.service,
           "_prepare_build": JobService, "expand": evalsvc.jobs.plan,
-          "plan_run": evalsvc.jobs.service}
+          "plan_run": evalsvc.jobs.record}
 
 
 class Phases:

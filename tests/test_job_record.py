@@ -1,0 +1,116 @@
+"""A job recorded as it runs outside the service (``jobs.record.JobRecord``, what ``evalsvc run``
+and the detection benchmark use): its runs planned first, each recorded and judged as it ends
+through the service's own ``record_result``, and its end; and the harness judging a run against
+the limits of the job's engine, as ``verdicts.judge_run`` does."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import select
+
+from evalsvc.harness import decide
+from evalsvc.jobs.record import JobRecord
+from evalsvc.matrix import Config, load_matrix
+from evalsvc.store.db import Store
+from evalsvc.store.models import Job, Run, Verdict
+from evalsvc.store.record import BuildRef
+from tests.store.factories import fingerprint_of, run_result
+
+pytestmark = pytest.mark.usefixtures("engines")
+
+
+def config(name: str) -> Config:
+    return Config(name=name, matrix="smoke", model="mamba2", settings={"strategy": "extra_buffer"},
+                  args={"random_seed": 0}, fingerprint=fingerprint_of(name),
+                  scenarios=("cold", "prefill_hit"))
+
+
+def start(store: Store, tmp_path, job_id: str, names: list[str], track: bool = False) -> JobRecord:
+    ref = BuildRef("sgl-project/sglang", sha="abc123", committed_at=datetime(2026, 3, 1, tzinfo=UTC))
+    return JobRecord.start(store, tmp_path / "results", job_id, "cli", ref, "smoke",
+                           [config(n) for n in names],
+                           spec={"matrix_name": "smoke", "engine": "sglang", "track": track})
+
+
+def runs(store: Store, job_id: str) -> dict[str, Run]:
+    with store.session() as s:
+        return {r.config: r for r in s.scalars(select(Run).where(Run.job_id == job_id))}
+
+
+def test_runs_are_planned_first_then_recorded_and_judged_as_each_ends(db_url, engines, tmp_path):
+    store = Store(db_url)
+    engines.append(store.engine)
+    record = start(store, tmp_path, "cli-a", ["m-eb", "m-nb"])
+    planned = runs(store, "cli-a")
+    assert {c: r.status for c, r in planned.items()} == {"m-eb": "pending", "m-nb": "pending"}
+    assert record.run_ids == [planned["m-eb"].id, planned["m-nb"].id]
+    with store.session() as s:
+        assert s.get(Job, "cli-a").status == "running"
+
+    # the harness passed it (its factory limit is 1e-2); the job's engine limits it to 5e-3
+    result = run_result("m-eb", {"cold": [1e-4] * 4, "prefill_hit": [8e-3] * 4})
+    assert result.verdict == "pass"
+    record.record(config("m-eb"), result)
+    done = runs(store, "cli-a")["m-eb"]
+    assert done.status == "done"
+    assert done.samples_path == str(tmp_path / "results" / "cli-a" / f"{done.id}.parquet")
+    with store.session() as s:
+        verdicts = {(v.scenario, v.metric): v.verdict
+                    for v in s.scalars(select(Verdict).where(Verdict.run_id == done.id))}
+        # judged in the same transaction, on the job's engine (sglang: KL max 5e-3)
+        assert verdicts[("cold", "kl_k3_mean")] == "pass"
+        assert verdicts[("prefill_hit", "kl_k3_mean")] == "regression"
+        run = s.get(Run, done.id)
+        assert [(x.scenario, x.verdict) for x in run.scenarios] == [("cold", "pass"),
+                                                                   ("prefill_hit", "fail")]
+        assert run.verdict == "fail"
+
+    record.record(config("m-nb"), run_result("m-nb", {"cold": [1e-4] * 4}))
+    record.finish()
+    with store.session() as s:
+        job = s.get(Job, "cli-a")
+        assert (job.status, job.error) == ("done", None) and job.finished_at is not None
+    store.close()
+
+
+def test_a_job_stopped_before_its_runs_ended_is_cancelled(db_url, engines, tmp_path):
+    store = Store(db_url)
+    engines.append(store.engine)
+    record = start(store, tmp_path, "cli-b", ["m-eb", "m-nb"])
+    record.record(config("m-eb"), run_result("m-eb", {"cold": [1e-4] * 4}))
+    record.finish()  # Ctrl-C before the second run ended
+    with store.session() as s:
+        assert s.get(Job, "cli-b").status == "cancelled"
+    assert {c: r.status for c, r in runs(store, "cli-b").items()} == {"m-eb": "done",
+                                                                     "m-nb": "cancelled"}
+    store.close()
+
+
+def test_a_run_that_cannot_be_recorded_fails_the_job_naming_it(db_url, engines, tmp_path):
+    store = Store(db_url)
+    engines.append(store.engine)
+    record = start(store, tmp_path, "cli-c", ["m-eb"])
+    (tmp_path / "results").write_text("a file where the results folder should be")
+    record.record(config("m-eb"), run_result("m-eb", {"cold": [1e-4] * 4}))
+    record.finish()
+    [run] = runs(store, "cli-c").values()
+    assert (run.status, run.verdict) == ("done", "error")
+    assert "its samples could not be written" in run.reason
+    with store.session() as s:
+        job = s.get(Job, "cli-c")
+        assert job.status == "failed" and f"run {run.id}: its samples" in job.error
+    assert record.failures == [job.error]
+    store.close()
+
+
+def test_the_harness_judges_on_the_runs_engine():
+    """The same scenario metrics against the embedded engine's float32 limit (1e-8) and against
+    the defaults on SGLang (5e-3): the harness takes the run's engine, not the matrix's."""
+    matrix = load_matrix("smoke")  # engine: embedded
+    cfg = config("mamba2-eb")
+    metrics = {"kl_k3_mean": 1e-5, "hit_coverage": 1.0}
+    assert decide("prefill_hit", metrics, cfg, matrix)[0] == "fail"  # the matrix's engine
+    assert decide("prefill_hit", metrics, cfg, matrix, engine="embedded")[0] == "fail"
+    assert decide("prefill_hit", metrics, cfg, matrix, engine="sglang") == ("pass", "")
