@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from itertools import pairwise, zip_longest
 from pathlib import Path
@@ -27,10 +27,10 @@ from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
 from evalsvc.store import audit, queries
-from evalsvc.store.models import Bisection, Regression
-from evalsvc.thresholds import limits_for
+from evalsvc.store.models import Bisection, Regression, Run
+from evalsvc.thresholds import load_thresholds
 from evalsvc.types import FINISHED_JOB_STATUSES
-from evalsvc.verdicts import compare_builds
+from evalsvc.verdicts import compare_builds, run_limits
 from evalsvc.web.auth import csrf_token
 from evalsvc.web.deps import SessionDep, current_user, require_read
 from evalsvc.web.params import JobId, RunId
@@ -118,29 +118,21 @@ def finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def kl_threshold(run: dict[str, Any], cache: dict[str, float | None]) -> float | None:
-    """The fixed KL limit (kl_k3_mean, nats) of a run's config from configs/thresholds.yaml; None
-    for a matrix not under configs/."""
-    if run["fingerprint"] not in cache:
-        try:
-            matrix = load_matrix(run["matrix"])
-        except MatrixError:
-            cache[run["fingerprint"]] = None
-        else:
-            cache[run["fingerprint"]] = limits_for(
-                matrix=matrix.name, engine=matrix.engine, config=run["config"],
-                model=run["model"], settings=run.get("settings") or {}, scenario="cold",
-                matrix_thresholds=matrix.thresholds.model_dump(exclude_none=True)).kl_k3_mean.max
-    return cache[run["fingerprint"]]
+def kl_threshold(session: Session, run_id: int) -> float | None:
+    """The fixed KL limit (kl_k3_mean, nats) a run's cold scenario is judged against
+    (``verdicts.run_limits``: its config on its job's engine and matrix); None when none."""
+    return run_limits(session.get(Run, run_id), "cold", load_thresholds()).kl_k3_mean.max
 
 
 # ---- overview ------------------------------------------------------------------------------
 
 def trend_charts(window: dict[str, list[dict[str, Any]]], values: Iterable[tuple],
-                 failures: set[tuple[int, str]], metric: str) -> dict[str, Any]:
+                 failures: set[tuple[int, str]], metric: str,
+                 threshold: Callable[[int], float | None]) -> dict[str, Any]:
     """Chart data: the window's commits (time, label) once, and per fingerprint its series per
     metric, scenario and patch set as commit indices, values and run ids, with the points whose
-    scenario verdict is fail (the regression markers). ``values``: (run_id, scenario, metric,
+    scenario verdict is fail (the regression markers), and for KL the fixed limit of the
+    fingerprint (``threshold(run_id)`` of its first run). ``values``: (run_id, scenario, metric,
     value) rows of the window's runs."""
     index = {c["id"]: i for i, c in enumerate(window["commits"])}
     runs = {r["id"]: r for r in window["runs"]}
@@ -152,14 +144,15 @@ def trend_charts(window: dict[str, list[dict[str, Any]]], values: Iterable[tuple
         points.setdefault((run["fingerprint"], name, scenario, run["patch_set"]), []).append(
             (index[run["commit_id"]], run_id, value, (run_id, scenario) in failures))
     charts: dict[str, dict[str, Any]] = {}
-    thresholds: dict[str, float | None] = {}
     for (fingerprint, name, scenario, patch_set), series in sorted(points.items()):
         series.sort()
-        run = runs[series[0][1]]
-        chart = charts.setdefault(fingerprint, {
-            "fingerprint": fingerprint, "config": run["config"], "model": run["model"],
-            "threshold": kl_threshold(run, thresholds) if metric == "kl_k3_mean"
-            else None, "series": []})
+        if fingerprint not in charts:
+            run = runs[series[0][1]]
+            charts[fingerprint] = {
+                "fingerprint": fingerprint, "config": run["config"], "model": run["model"],
+                "threshold": threshold(run["id"]) if metric == "kl_k3_mean" else None,
+                "series": []}
+        chart = charts[fingerprint]
         chart["series"].append({
             "metric": name, "name": scenario + (f" [{patch_set}]" if patch_set else ""),
             "c": [p[0] for p in series], "run": [p[1] for p in series],
@@ -194,7 +187,8 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
                                           list(dict.fromkeys([metric, "accept_length"])),
                                           [scenario] if scenario else list(SCENARIOS),
                                           matrix=matrix, model=model)
-    trends = {**trend_charts(window, values, queries.commit_failures(session, commit_ids), metric),
+    trends = {**trend_charts(window, values, queries.commit_failures(session, commit_ids), metric,
+                             lambda run_id: kl_threshold(session, run_id)),
               "runs_url": runs_url(request)}
     filters = {"matrix": matrix, "model": model, "scenario": scenario, "branch": branch,
                "metric": metric, "commits": commits}
