@@ -282,6 +282,13 @@ def test_malformed_matrix_entries_are_refused(client, tmp_path, change, field):
     refused(client, tmp_path, {"matrix": inline(**change)}, field)
 
 
+def test_a_matrix_asking_for_a_reference_config_is_refused(client, tmp_path):
+    """The service measures against the same server (SGLang's method): a matrix whose reference
+    is a config of its own is refused, not stored and run against another reference."""
+    body = {"matrix": inline(reference={"kind": "config", "config": {"radix_cache": False}})}
+    refused(client, tmp_path, body, "matrix.reference", "evalsvc run")
+
+
 @pytest.mark.parametrize("text", ["\ud800", "a\x00b"])
 def test_strings_both_databases_cannot_store_are_refused(client, tmp_path, text):
     for body in ({"matrix": inline(description=text)}, {"matrix": inline(name=text)},

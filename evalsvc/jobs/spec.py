@@ -209,6 +209,9 @@ def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> 
     if body.reference is not None:
         raise JobError("reference: the service uses SGLang's same-server reference; a "
                        "reference config is available from the CLI (evalsvc run)")
+    if matrix.reference.kind != "same_server":  # else it would be stored but not run
+        raise JobError("matrix.reference: the service uses SGLang's same-server reference; a "
+                       "reference config is available from the CLI (evalsvc run)")
     try:
         configs = plan_runs(matrix, EngineSpec(kind=engine), configs=body.configs)
     except UnknownConfigs as exc:  # a matrix without configs is named as such, below
