@@ -52,6 +52,7 @@ from evalsvc.dispatch.base import RunTask, build_request, engine_for, prepare_bu
 from evalsvc.dispatch.local import LocalDispatcher  # noqa: E402
 from evalsvc.engines.base import EngineSpec  # noqa: E402
 from evalsvc.matrix import WorkloadSpec, expand, load_matrix  # noqa: E402
+from evalsvc.settings import Settings  # noqa: E402
 from evalsvc.tokenization import tokenized  # noqa: E402
 from evalsvc.workloads import load_prompts, workload_version  # noqa: E402
 from tests.dispatch.raycluster import RayCluster, loopback_only  # noqa: E402
@@ -126,12 +127,13 @@ def build_block(dispatcher) -> dict:
 
 def run_check_seconds(repeats: int = 20) -> list[float]:
     """``engine_for`` on a cache hit (this machine's cache holds the build)."""
-    request = build_request(prepare_build(BUILD_SOURCE, [], FAKE_PYTHON))
+    here = Settings().resolved_builds_dir()
+    request = build_request(prepare_build(BUILD_SOURCE, [], FAKE_PYTHON, here))
     spec = EngineSpec(kind="sglang", python=FAKE_PYTHON)
     out = []
     for _ in range(repeats):
         t0 = time.monotonic()
-        engine_for(spec, request)
+        engine_for(spec, request, here)
         out.append(time.monotonic() - t0)
     return out
 
@@ -165,7 +167,7 @@ def main() -> int:
             for mode in MODES:
                 t0 = time.monotonic()
                 if mode == "local":
-                    dispatcher = LocalDispatcher(1)
+                    dispatcher = LocalDispatcher(1, Settings().resolved_builds_dir())
                 else:
                     from evalsvc.dispatch.ray_backend import RayDispatcher
 

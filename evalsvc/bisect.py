@@ -154,7 +154,7 @@ class Bisector:
                                        fields.get("workload"), f"git:{repo}@{fields['bad']}"),
                             trusted=trusted)
         try:
-            mirror = git_mirror(repo)
+            mirror = git_mirror(repo, self.jobs.settings.resolved_builds_dir())
             good = _resolve(mirror, fields["good"], "good")
             bad = _resolve(mirror, fields["bad"], "bad")
         except BuildError as exc:

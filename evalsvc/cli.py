@@ -105,6 +105,7 @@ def run(
     from evalsvc.jobs import BuildSpec, UnknownConfigs, mint_id
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
+    from evalsvc.settings import Settings
     from evalsvc.workloads import WorkloadError
 
     console = Console(width=max(Console().width, 150))
@@ -128,23 +129,25 @@ def run(
                                                *(f"defect:{d}" for d in inject_defect or [])])
     base = EngineSpec(kind=kind, python=engine_python or (sys.executable if kind == "sglang"
                                                           else None))
+    settings = Settings()
+    builds = settings.resolved_builds_dir()
     ready = None
     if kind == "embedded" or source or not dry_run:  # a dry run makes no build, but a source's
-        from evalsvc.dispatch.base import prepare_build
+        from evalsvc.dispatch.base import engine_for, prepare_build
         from evalsvc.jobs.builds import Provenance, ready_build
 
         said = Provenance(repository, commit,
                           _commit_time(commit_time) if commit_time else None, branch)
         try:
-            ready = ready_build(base, wanted, prepare_build, said)
+            ready = ready_build(base, wanted,
+                                lambda src, ps, py: prepare_build(src, ps, py, builds), builds,
+                                said)
+            # the build this machine made, as each run of a job finds it where it runs
+            spec = (engine_for(ready.engine, ready.request, builds)
+                    if ready.request is not None else ready.engine)
         except BuildError as exc:
             console.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
-        spec = ready.engine
-        if ready.request is not None:  # the build this machine made, as each run of a job finds it
-            from evalsvc.dispatch.base import engine_for
-
-            spec = engine_for(spec, ready.request)
     else:
         from evalsvc.builds.build import installed_version
 
@@ -170,10 +173,8 @@ def run(
     record = None
     if store:
         from evalsvc.jobs.record import JobRecord
-        from evalsvc.settings import Settings
         from evalsvc.store.db import Store
 
-        settings = Settings()
         db = Store(settings.resolved_database_url())
         record = JobRecord.start(
             db, settings.results_dir(), job_id, "cli", ready.ref, mat.name, cfgs,
@@ -217,9 +218,10 @@ def probe(
     import json
 
     from evalsvc.builds.build import BuildError, make_build
+    from evalsvc.settings import Settings
 
     try:
-        build = make_build(source)
+        build = make_build(source, root=Settings().resolved_builds_dir())
     except BuildError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -245,9 +247,11 @@ def build(
     import json
 
     from evalsvc.builds.build import BuildError, make_build
+    from evalsvc.settings import Settings
 
     try:
-        b = make_build(source, patch or [], base_python=base_python)
+        b = make_build(source, patch or [], base_python=base_python,
+                       root=Settings().resolved_builds_dir())
     except BuildError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -105,8 +105,9 @@ class Target:
     builds: list[BuildSpec]
 
 
-def resolve(schedule: Schedule) -> Target:
-    """The newest commit (git), release (PyPI) or engine version (embedded) of a schedule."""
+def resolve(schedule: Schedule, builds_dir: Path) -> Target:
+    """The newest commit (git), release (PyPI) or engine version (embedded) of a schedule; a git
+    repository through its mirror in the builds cache ``builds_dir``."""
     src = schedule.source
     if src.embedded is not None:
         from evalsvc import __version__
@@ -117,7 +118,7 @@ def resolve(schedule: Schedule) -> Target:
         from evalsvc.builds.build import BuildError, git, git_mirror
 
         try:
-            mirror = git_mirror(src.git.repository)
+            mirror = git_mirror(src.git.repository, builds_dir)
             sha = git(["rev-parse", "--verify", f"refs/heads/{src.git.branch}^{{commit}}"],
                       mirror).stdout.strip()
         except BuildError as exc:
@@ -151,7 +152,7 @@ def evaluated(store: Store, key: str) -> bool:
 
 def fire(schedule: Schedule, jobs: JobService, store: Store) -> str | None:
     """One firing: the job id submitted, or None when the newest target was evaluated already."""
-    target = resolve(schedule)
+    target = resolve(schedule, jobs.settings.resolved_builds_dir())
     if evaluated(store, target.key):
         log.info("nightly %s: %s already evaluated", schedule.name, target.key)
         return None

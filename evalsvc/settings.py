@@ -91,6 +91,8 @@ class Settings(BaseSettings):
     max_matrix_bytes: int = Field(262_144, ge=1)  # an inline matrix, as JSON
     # local dataset files API jobs may name lie under this directory (None: none may)
     datasets_dir: Path | None = None
+    # engine builds and git mirrors (evalsvc/builds); default: data_dir/builds
+    builds_dir: Path | None = None
     # engines
     # a run's deadline in seconds, engine start-up included, for matrices without run_timeout_s:
     # past it the run is an error and its engine is killed (the smoke matrix's runs take minutes)
@@ -142,3 +144,8 @@ class Settings(BaseSettings):
 
     def results_dir(self) -> Path:
         return self.data_dir / "results"
+
+    def resolved_builds_dir(self) -> Path:
+        """Where engine builds and git mirrors are cached (``EVALSVC_BUILDS_DIR``, else
+        ``data_dir/builds``), absolute."""
+        return (self.builds_dir or self.data_dir / "builds").resolve()

@@ -49,7 +49,7 @@ def bisector(tmp_path, monkeypatch):
     settings = Settings(data_dir=tmp_path / "data",
                         database_url=f"sqlite:///{tmp_path / 'b.db'}")
     store = Store(settings.resolved_database_url())
-    jobs = JobService(settings, store, LocalDispatcher(1))
+    jobs = JobService(settings, store, LocalDispatcher(1, settings.resolved_builds_dir()))
     yield Bisector(store, jobs)
     jobs.stop()
     store.close()

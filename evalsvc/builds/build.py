@@ -101,15 +101,6 @@ class Build:
         return {"PYTHONPATH": str(self.site) + (os.pathsep + extra if extra else "")}
 
 
-def cache_root() -> Path:
-    env = os.environ.get("EVALSVC_BUILDS_DIR")
-    if env:
-        return Path(env)
-    from evalsvc.settings import Settings
-
-    return Settings().data_dir.resolve() / "builds"
-
-
 def build_key(source: Source, resolved_ref: str | None, patches: list[str]) -> str:
     ident = json.dumps({"kind": source.kind, "location": source.location, "ref": resolved_ref,
                         "patches": sorted(set(patches))}, sort_keys=True)
@@ -117,15 +108,15 @@ def build_key(source: Source, resolved_ref: str | None, patches: list[str]) -> s
 
 
 def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
-               base_python: str | None = None, root: Path | None = None) -> Build:
-    """Make (or reuse) the build of a source with patches; see the module docstring."""
+               base_python: str | None = None, *, root: Path) -> Build:
+    """Make (or reuse) the build of a source with patches in the builds cache ``root`` (and its
+    git mirrors, ``root/git``); see the module docstring."""
     source = parse_source(source_text)
     unknown = [p for p in patches if p not in PATCHES]
     if unknown:
         raise BuildError(f"unknown patch {unknown[0]!r} (known: {', '.join(sorted(PATCHES))})")
     patches = sorted(set(patches))
-    root = root or cache_root()
-    resolved = _resolve_ref(source)
+    resolved = _resolve_ref(source, root)
     key = build_key(source, resolved, patches)
     final = root / key
     if (final / MANIFEST).is_file():
@@ -136,7 +127,7 @@ def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
     try:
         site = work / "site"
         site.mkdir()
-        _fetch(source, resolved, site)
+        _fetch(source, resolved, site, root)
         try:
             before = [asdict(r) for r in probe_all(site)]
         except SourceTreeError as exc:
@@ -181,20 +172,21 @@ def sweep_leftovers(parent: Path, prefix: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _resolve_ref(source: Source) -> str | None:
+def _resolve_ref(source: Source, root: Path) -> str | None:
     if source.kind == "git":
-        return resolve_commit(source)[1]
+        return resolve_commit(source, root)[1]
     return source.ref
 
 
-def resolve_commit(source: Source) -> tuple[Path, str]:
-    """A git source's mirror and the full sha its commit (a short sha, branch or tag) names. A full
-    sha the mirror already has is taken as it is, without fetching (it cannot move)."""
+def resolve_commit(source: Source, root: Path) -> tuple[Path, str]:
+    """A git source's mirror (under the builds cache ``root``) and the full sha its commit (a
+    short sha, branch or tag) names. A full sha the mirror already has is taken as it is, without
+    fetching (it cannot move)."""
     full_sha = re.fullmatch(r"[0-9a-f]{40}", source.ref or "") is not None
-    mirror = git_mirror(source.location, fetch=not full_sha)
+    mirror = git_mirror(source.location, root, fetch=not full_sha)
     out = git(["rev-parse", "--verify", "--quiet", f"{source.ref}^{{commit}}"], mirror, check=False)
     if out.returncode != 0 and full_sha:  # a commit the mirror does not have yet
-        mirror = git_mirror(source.location)
+        mirror = git_mirror(source.location, root)
         out = git(["rev-parse", "--verify", "--quiet", f"{source.ref}^{{commit}}"], mirror,
                   check=False)
     if out.returncode != 0:
@@ -203,14 +195,14 @@ def resolve_commit(source: Source) -> tuple[Path, str]:
     return mirror, out.stdout.strip()
 
 
-def _fetch(source: Source, resolved: str | None, site: Path) -> None:
+def _fetch(source: Source, resolved: str | None, site: Path, root: Path) -> None:
     if source.kind == "pypi":
         wheel = download_wheel(resolved)
         with zipfile.ZipFile(wheel) as zf:
             members = [m for m in zf.namelist() if m.startswith("sglang/") and m.endswith(".py")]
             zf.extractall(site, members)
     elif source.kind == "git":
-        mirror = git_mirror(source.location, fetch=False)  # resolved (and fetched) just before
+        mirror = git_mirror(source.location, root, fetch=False)  # resolved (and fetched) just before
         with tempfile.TemporaryDirectory() as tmp:
             archive = Path(tmp) / "tree.tar"
             git(["archive", "--format=tar", "-o", str(archive), resolved], mirror)
@@ -292,10 +284,10 @@ def git(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedP
     return proc
 
 
-def git_mirror(location: str, fetch: bool = True) -> Path:
-    """A bare mirror of the repository under the builds cache, fetched on each use (unless not
-    ``fetch``)."""
-    mirrors = cache_root() / "git"
+def git_mirror(location: str, root: Path, fetch: bool = True) -> Path:
+    """A bare mirror of the repository under the builds cache ``root``, fetched on each use
+    (unless not ``fetch``)."""
+    mirrors = root / "git"
     mirrors.mkdir(parents=True, exist_ok=True)
     mirror = mirrors / hashlib.sha256(location.encode()).hexdigest()[:16]
     if not mirror.is_dir():

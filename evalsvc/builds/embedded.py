@@ -123,10 +123,11 @@ def _combine(from_file: dict[Defect, float], patches: list[str]) -> dict[str, fl
     return defects
 
 
-def embedded_build(source_text: str | None, patches: list[str] | tuple[str, ...] = ()
-                   ) -> EmbeddedBuild:
+def embedded_build(source_text: str | None, patches: list[str] | tuple[str, ...] = (),
+                   builds_dir: Path | None = None) -> EmbeddedBuild:
     """The embedded engine's build from a source (or none: the engine as it is) and its
-    ``defect:NAME`` patches; BuildError naming the source, commit, file or key if it cannot be."""
+    ``defect:NAME`` patches; BuildError naming the source, commit, file or key if it cannot be.
+    ``builds_dir``: the builds cache, whose git mirrors a ``git:`` source is read from."""
     from evalsvc import __version__
 
     patches = list(patches)
@@ -136,7 +137,9 @@ def embedded_build(source_text: str | None, patches: list[str] | tuple[str, ...]
                              version=__version__, committed_at=datetime.now(UTC), patches=patches)
     source = parse_embedded_source(source_text)
     if source.kind == "git":
-        mirror, sha = resolve_commit(source)
+        if builds_dir is None:
+            raise ValueError(f"{source.label}: a git source needs the builds directory")
+        mirror, sha = resolve_commit(source, builds_dir)
         where = f"{SETTINGS_FILE} at commit {sha} of {source.location}"
         kind = git(["cat-file", "-t", f"{sha}:{SETTINGS_FILE}"], mirror, check=False)
         text = None

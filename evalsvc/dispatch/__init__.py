@@ -18,4 +18,4 @@ def make_dispatcher(settings: Settings):
                              retries=settings.ray_retries)
     from evalsvc.dispatch.local import LocalDispatcher
 
-    return LocalDispatcher(settings.engine_slots)
+    return LocalDispatcher(settings.engine_slots, settings.resolved_builds_dir())

@@ -68,15 +68,17 @@ class RunTask:
         return Config(**{**self.config, "scenarios": tuple(self.config["scenarios"])})
 
 
-def execute(task: RunTask, control: RunControl | None = None) -> RunResult:
-    """Run one config (the whole harness: build, engine, scenarios, metrics) from a task."""
+def execute(task: RunTask, control: RunControl | None = None, *,
+            builds_dir: Path | None = None) -> RunResult:
+    """Run one config (the whole harness: build, engine, scenarios, metrics) from a task;
+    ``builds_dir``: this machine's builds cache, where an SGLang build is made or found."""
     matrix = MatrixFile.model_validate(task.matrix)
     config = task.as_config()
     spec = EngineSpec(**task.engine)
     with log_context(job=task.job_id, run=task.run_id):
         if task.build is not None:
             try:
-                spec = engine_for(spec, task.build)
+                spec = engine_for(spec, task.build, builds_dir)
             except BuildError as exc:
                 log.error("run %s: %s", task.run_id, exc)
                 return task.outcome("error", f"engine build: {exc}")
@@ -90,10 +92,11 @@ def execute(task: RunTask, control: RunControl | None = None) -> RunResult:
 # for the SGLang installed in the engine's python.
 
 
-def prepare_build(source: str | None, patches: list[str], python: str | None) -> dict[str, Any]:
-    """Make (or find) an SGLang build on this machine, before its runs: ``{"manifest": ...}`` for a
-    source (see ``builds.build``), ``{"version": V}`` for the SGLang installed in ``python``.
-    BuildError, naming the problem, when it cannot be made."""
+def prepare_build(source: str | None, patches: list[str], python: str | None,
+                  builds_dir: Path | None) -> dict[str, Any]:
+    """Make (or find) an SGLang build in this machine's builds cache ``builds_dir``, before its
+    runs: ``{"manifest": ...}`` for a source (see ``builds.build``), ``{"version": V}`` for the
+    SGLang installed in ``python``. BuildError, naming the problem, when it cannot be made."""
     python = _need_python(python)
     if source is None:
         version = installed_version(python)
@@ -101,7 +104,8 @@ def prepare_build(source: str | None, patches: list[str], python: str | None) ->
             raise BuildError(f"the SGLang environment {python} has no sglang installed (a job "
                              "without a build source runs the installed SGLang)")
         return {"version": version}
-    return {"manifest": make_build(source, patches, base_python=python).manifest}
+    return {"manifest": make_build(source, patches, base_python=python,
+                                   root=_need_dir(builds_dir)).manifest}
 
 
 class InstalledBuild(BaseModel):
@@ -143,9 +147,9 @@ def build_request(info: dict[str, Any]) -> dict[str, Any]:
     return build_info(info).request()
 
 
-def engine_for(spec: EngineSpec, build: dict[str, Any]) -> EngineSpec:
+def engine_for(spec: EngineSpec, build: dict[str, Any], builds_dir: Path | None) -> EngineSpec:
     """The engine spec of a run on this machine: its build made here (or found in this machine's
-    builds cache) and checked to be the code the service recorded."""
+    builds cache, ``builds_dir``) and checked to be the code the service recorded."""
     python = _need_python(spec.python)
     if build["source"] is None:
         found = installed_version(python)
@@ -154,12 +158,20 @@ def engine_for(spec: EngineSpec, build: dict[str, Any]) -> EngineSpec:
                              f"{'sglang ' + found if found else 'no sglang'}; the job's build is "
                              f"the installed sglang {build['version']}")
         return spec
-    made = make_build(build["source"], build["patches"], base_python=python)
+    made = make_build(build["source"], build["patches"], base_python=python,
+                      root=_need_dir(builds_dir))
     if made.manifest["package_hash"] != build["package_hash"]:
         raise BuildError(f"{build['source']} built on this machine is other code (package hash "
                          f"{made.manifest['package_hash'][:12]}) than the job recorded "
                          f"({build['package_hash'][:12]})")
     return replace(spec, env={**spec.env, **made.env()})
+
+
+def _need_dir(builds_dir: Path | None) -> Path:
+    if builds_dir is None:
+        raise BuildError("this machine has no builds directory (EVALSVC_BUILDS_DIR or "
+                         "EVALSVC_DATA_DIR)")
+    return builds_dir
 
 
 def _need_python(python: str | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
@@ -13,8 +14,11 @@ from evalsvc.types import RunResult
 
 
 class LocalDispatcher:
-    def __init__(self, slots: int = 1) -> None:
+    """``slots`` runs at once; SGLang builds made and found in ``builds_dir``."""
+
+    def __init__(self, slots: int = 1, builds_dir: Path | None = None) -> None:
         self.slots = slots
+        self.builds_dir = builds_dir
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="engine-slot")
         self._controls: dict[int, tuple[str, RunControl]] = {}
         self._lock = threading.Lock()
@@ -33,14 +37,14 @@ class LocalDispatcher:
                 return task.outcome("cancelled", "the job was cancelled")
             if on_start is not None:
                 on_start()
-            return execute(task, control)
+            return execute(task, control, builds_dir=self.builds_dir)
         finally:
             with self._lock:
                 self._controls.pop(task.run_id, None)
 
     def prepare_build(self, source: str | None, patches: list[str],
                       python: str | None) -> dict[str, Any]:
-        return prepare_build(source, patches, python)
+        return prepare_build(source, patches, python, self.builds_dir)
 
     def cancel_job(self, job_id: str) -> None:
         with self._lock:

@@ -181,7 +181,9 @@ def worker_python(python: str | None, node_python: str | None) -> str | None:
 def prepare_on_worker(source: str | None, patches: list[str], python: str | None) -> dict:
     """The Ray task of ``RayDispatcher.prepare_build``: the build made on this node (the node's
     own settings are read here, where its task starts)."""
-    return prepare_build(source, patches, worker_python(python, Settings().engine_python))
+    node = Settings()
+    return prepare_build(source, patches, worker_python(python, node.engine_python),
+                         node.resolved_builds_dir())
 
 
 def ray_added_env() -> list[str]:
@@ -262,8 +264,9 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
     if slots:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
     engine = {**task.engine, "env": env, "die_with_parent": True, "unset_env": ray_added_env()}
+    node = Settings()  # this node's own, read where its task starts
     if engine["kind"] == "sglang":
-        engine["python"] = worker_python(engine.get("python"), Settings().engine_python)
+        engine["python"] = worker_python(engine.get("python"), node.engine_python)
     log_dir = run_dir(task.run_id)
     local = dataclasses.replace(task, engine=engine, log_dir=str(log_dir))
     key = machine_key()
@@ -280,7 +283,7 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
     watcher.start()
     try:
         try:
-            result = execute(local, control)
+            result = execute(local, control, builds_dir=node.resolved_builds_dir())
         finally:
             done.set()
             watcher.join()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from evalsvc.engines.base import EngineSpec
@@ -42,16 +43,17 @@ class ReadyBuild(NamedTuple):
 
 
 def ready_build(base: EngineSpec, build: BuildSpec | dict[str, Any], prepare: Prepare,
-                said: Provenance | None = None) -> ReadyBuild:
-    """One build of a job on ``base`` (the job's engine kind and SGLang python). BuildError
-    naming the source, commit, patch or file when it cannot be made."""
+                builds_dir: Path, said: Provenance | None = None) -> ReadyBuild:
+    """One build of a job on ``base`` (the job's engine kind and SGLang python); an embedded
+    build's git source is read through its mirror in ``builds_dir``. BuildError naming the
+    source, commit, patch or file when it cannot be made."""
     b = BuildSpec.model_validate(build) if isinstance(build, dict) else build  # a stored job's
     said = said or Provenance()
     when = said.committed_at or datetime.now(UTC)
     if base.kind == "embedded":
         from evalsvc.builds.embedded import embedded_build
 
-        eb = embedded_build(b.source, b.patches)
+        eb = embedded_build(b.source, b.patches, builds_dir)
         sha = eb.sha or said.commit
         ref = BuildRef(said.repository or eb.repository, sha=sha,
                        version=None if sha else eb.version,

@@ -410,7 +410,8 @@ class JobService:
     def _prepare_build(self, base: EngineSpec, b: BuildSpec | dict[str, Any]) -> ReadyBuild:
         """A build of the job made ready (``jobs.builds.ready_build``); an SGLang build is made by
         the dispatcher where the runs go (BuildError if it cannot be)."""
-        return ready_build(base, b, self.dispatcher.prepare_build)
+        return ready_build(base, b, lambda *build: self.dispatcher.prepare_build(*build),
+                           self.settings.resolved_builds_dir())
 
     def _run_started(self, run_id: int) -> None:
         def started(s) -> None:

@@ -308,7 +308,7 @@ def _check_build(engine: str, i: int, b: BuildSpec, trusted: bool, settings: Set
                        f"(EVALSVC_ALLOWED_SOURCES: {', '.join(settings.allowed_sources)})")
     if engine == "embedded":
         try:  # the repository and commit exist, and the settings file there reads
-            embedded_build(b.source, b.patches)
+            embedded_build(b.source, b.patches, settings.resolved_builds_dir())
         except BuildError as exc:
             raise JobError(f"{where}.source: {exc}") from None
 

@@ -139,7 +139,7 @@ def test_a_failed_nightly_job_is_tried_again(env):
 def test_the_service_registers_the_enabled_schedules(env, tmp_path):
     settings = Settings()
     store = Store(settings.resolved_database_url())
-    jobs = JobService(settings, store, LocalDispatcher(1))
+    jobs = JobService(settings, store, LocalDispatcher(1, settings.resolved_builds_dir()))
     scheduler = NightlyScheduler.start(settings, jobs, store)
     try:
         registered = {j.id: j for j in scheduler.scheduler.get_jobs()}
@@ -202,7 +202,7 @@ def embedded_git_schedule(repo: Path) -> Schedule:
 def test_a_git_source_serves_an_embedded_matrix_with_configs_and_workload(env, settings_repo):
     settings = Settings()
     store = Store(settings.resolved_database_url())
-    jobs = JobService(settings, store, LocalDispatcher(1))
+    jobs = JobService(settings, store, LocalDispatcher(1, settings.resolved_builds_dir()))
     try:
         job_id = fire(embedded_git_schedule(settings_repo), jobs, store)
         assert job_id is not None
@@ -233,7 +233,7 @@ def test_a_nightly_embedded_git_job_runs_the_commits_settings(env, settings_repo
     recorded on the commit (full sha, committer date)."""
     settings = Settings()
     store = Store(settings.resolved_database_url())
-    jobs = JobService(settings, store, LocalDispatcher(1))
+    jobs = JobService(settings, store, LocalDispatcher(1, settings.resolved_builds_dir()))
     try:
         job_id = fire(embedded_git_schedule(settings_repo), jobs, store)
         jobs.start()

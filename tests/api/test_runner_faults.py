@@ -66,7 +66,8 @@ def runner(tmp_path, fake_engine) -> Iterator[Callable[..., JobService]]:
 
     def make(url: str | None = None, **overrides) -> JobService:
         settings = settings_for(tmp_path, url, **overrides)
-        jobs = JobService(settings, Store(settings.resolved_database_url()), LocalDispatcher(1))
+        jobs = JobService(settings, Store(settings.resolved_database_url()),
+                          LocalDispatcher(1, settings.resolved_builds_dir()))
         made.append(jobs)
         jobs.start()
         return jobs

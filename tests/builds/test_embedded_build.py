@@ -70,30 +70,31 @@ def repo(tmp_path) -> tuple[Path, list[str]]:
     return root, shas
 
 
-def test_settings_at_two_commits_give_different_defects(repo):
+def test_settings_at_two_commits_give_different_defects(repo, builds_dir):
     root, shas = repo
-    first = embedded_build(f"git:{root}@{shas[0][:8]}")  # a short sha resolves to the full one
+    # a short sha resolves to the full one
+    first = embedded_build(f"git:{root}@{shas[0][:8]}", builds_dir=builds_dir)
     assert first.env == {ENV_VAR: "snapshot-race"}
     assert first.defects == {"snapshot-race": 1.0}
     assert (first.repository, first.sha) == (str(root), shas[0])
     assert first.committed_at == datetime(2026, 1, 2, 3, 4, 5, tzinfo=TZ)
     assert first.committed_at.utcoffset() == timedelta(hours=2)
-    second = embedded_build(f"git:{root}@{shas[1]}")
+    second = embedded_build(f"git:{root}@{shas[1]}", builds_dir=builds_dir)
     assert second.env == {ENV_VAR: "host-load-race,deferred-ops-dropped@0.25"}
     assert second.committed_at == datetime(2026, 1, 3, 1, 4, 5, tzinfo=UTC)
     assert second.manifest["settings_file"] == SETTINGS_FILE
     assert second.manifest["evalsvc_version"] == __version__
 
 
-def test_a_branch_name_resolves_to_its_newest_commit(repo):
+def test_a_branch_name_resolves_to_its_newest_commit(repo, builds_dir):
     root, shas = repo
-    head = embedded_build(f"git:{root}@main")
+    head = embedded_build(f"git:{root}@main", builds_dir=builds_dir)
     assert head.sha == shas[2]
 
 
-def test_a_tree_without_the_settings_file_has_no_defects(repo, tmp_path):
+def test_a_tree_without_the_settings_file_has_no_defects(repo, builds_dir, tmp_path):
     root, shas = repo
-    bare = embedded_build(f"git:{root}@{shas[2]}")
+    bare = embedded_build(f"git:{root}@{shas[2]}", builds_dir=builds_dir)
     assert bare.env == {} and bare.defects == {}
     assert bare.manifest["settings_file"] is None
     tree = tmp_path / "tree"
@@ -114,10 +115,11 @@ def test_a_local_tree_is_identified_by_its_settings(tmp_path):
     assert embedded_build(f"path:{tree}").version != one.version
 
 
-def test_defect_patches_add_to_the_settings_at_full_strength(repo):
+def test_defect_patches_add_to_the_settings_at_full_strength(repo, builds_dir):
     root, shas = repo
     build = embedded_build(f"git:{root}@{shas[1]}",
-                           ["defect:stale-spec-metadata", "defect:deferred-ops-dropped"])
+                           ["defect:stale-spec-metadata", "defect:deferred-ops-dropped"],
+                           builds_dir=builds_dir)
     assert build.defects == {"host-load-race": 1.0, "deferred-ops-dropped": 1.0,
                              "stale-spec-metadata": 1.0}
     assert build.env == {ENV_VAR: "host-load-race,deferred-ops-dropped,stale-spec-metadata"}
@@ -138,11 +140,11 @@ def test_defect_patches_add_to_the_settings_at_full_strength(repo):
     ("defects: [snapshot-race\n", ["not valid YAML"]),
     ("- snapshot-race\n", ["expected a mapping"]),
 ])
-def test_bad_settings_are_refused_naming_file_commit_and_key(repo, settings, named):
+def test_bad_settings_are_refused_naming_file_commit_and_key(repo, builds_dir, settings, named):
     root, _ = repo
     sha = commit(root, settings, DATES[2], "bad settings")
     with pytest.raises(BuildError) as err:
-        embedded_build(f"git:{root}@{sha}")
+        embedded_build(f"git:{root}@{sha}", builds_dir=builds_dir)
     text = str(err.value)
     assert SETTINGS_FILE in text and sha in text, text
     for part in named:
@@ -155,12 +157,12 @@ def test_bad_settings_in_a_local_tree_name_the_file(tmp_path):
         embedded_build(f"path:{tmp_path}")
 
 
-def test_missing_commits_repositories_and_other_sources_are_refused(repo, tmp_path):
+def test_missing_commits_repositories_and_other_sources_are_refused(repo, builds_dir, tmp_path):
     root, _ = repo
     with pytest.raises(BuildError, match="unknown commit '0123456789abcdef'"):
-        embedded_build(f"git:{root}@0123456789abcdef")
+        embedded_build(f"git:{root}@0123456789abcdef", builds_dir=builds_dir)
     with pytest.raises(BuildError, match="cannot be cloned"):
-        embedded_build(f"git:{tmp_path}/no-such-repo@main")
+        embedded_build(f"git:{tmp_path}/no-such-repo@main", builds_dir=builds_dir)
     with pytest.raises(BuildError, match="git:REPOSITORY@COMMIT or path:DIR"):
         parse_embedded_source("sglang==0.5.23")
     with pytest.raises(BuildError, match="no such directory"):
@@ -228,3 +230,21 @@ def test_prepare_build_gives_the_engine_env_sha_and_commit_date(repo):
                                            {"source": None, "patches": ["defect:host-load-race"]})
     assert engine.env == {ENV_VAR: "host-load-race"}
     assert (ref.repository, ref.version, ref.sha) == ("evalsvc/embedded", __version__, None)
+
+
+def test_a_services_builds_go_where_its_own_settings_say(repo, tmp_path, monkeypatch):
+    """The git mirrors (and builds) of a service are in its settings' builds directory: its data
+    directory's builds/, or EVALSVC_BUILDS_DIR; never one the process read elsewhere."""
+    root, shas = repo
+    monkeypatch.setenv("EVALSVC_BUILDS_DIR", str(tmp_path / "from-env"))
+    assert Settings().resolved_builds_dir() == tmp_path / "from-env"
+    mine = Settings(data_dir=tmp_path / "data", builds_dir=None)
+    other = Settings(builds_dir=tmp_path / "other")
+    assert mine.resolved_builds_dir() == tmp_path / "data" / "builds"
+    for settings, where in ((mine, tmp_path / "data" / "builds"), (other, tmp_path / "other")):
+        jobs = JobService(settings, store=None, dispatcher=None)
+        _, ref, _ = jobs._prepare_build(EngineSpec(kind="embedded"),
+                                        {"source": f"git:{root}@{shas[0]}", "patches": []})
+        assert ref.sha == shas[0]
+        assert len(list((where / "git").iterdir())) == 1  # the repository's mirror
+    assert not (tmp_path / "from-env").exists()

@@ -52,8 +52,8 @@ def machine(tmp_path, monkeypatch):
 
 
 def test_a_run_makes_its_build_where_it_runs(remote, machine):
-    machine("service-side")
-    info = prepare_build(f"git:{remote}@main", [], FAKE_PYTHON)
+    here = machine("service-side")
+    info = prepare_build(f"git:{remote}@main", [], FAKE_PYTHON, here)
     manifest = info["manifest"]
     sha = git(remote, "rev-parse", "HEAD")
     request = build_request(info)
@@ -63,32 +63,32 @@ def test_a_run_makes_its_build_where_it_runs(remote, machine):
     assert manifest["base_env"]["executable"] == FAKE_PYTHON
 
     worker = machine("worker")  # an empty cache: the run builds it there
-    spec = engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON), request)
+    spec = engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON), request, worker)
     site = spec.env["PYTHONPATH"].split(os.pathsep)[0]
     assert Path(site).is_relative_to(worker) and (Path(site) / "sglang" / "__init__.py").is_file()
-    again = engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON), request)
+    again = engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON), request, worker)
     assert again.env == spec.env  # found in that machine's cache
 
 
 def test_other_code_than_recorded_is_refused(remote, machine):
-    machine("worker")
-    request = build_request(prepare_build(f"git:{remote}@main", [], FAKE_PYTHON))
+    worker = machine("worker")
+    request = build_request(prepare_build(f"git:{remote}@main", [], FAKE_PYTHON, worker))
     with pytest.raises(BuildError, match=r"other code \(package hash .*\) than the job recorded"):
         engine_for(EngineSpec(kind="sglang", python=FAKE_PYTHON),
-                   {**request, "package_hash": "0" * 64})
+                   {**request, "package_hash": "0" * 64}, worker)
 
 
 def test_the_installed_sglang_is_checked_on_each_machine(machine):
-    machine("worker")
-    assert prepare_build(None, [], FAKE_PYTHON) == {"version": "0.5.23"}  # tests/data/fake-site
+    worker = machine("worker")
+    assert prepare_build(None, [], FAKE_PYTHON, worker) == {"version": "0.5.23"}  # fake-site
     request = build_request({"version": "0.5.23"})
     spec = EngineSpec(kind="sglang", python=FAKE_PYTHON)
-    assert engine_for(spec, request) is spec
+    assert engine_for(spec, request, worker) is spec
     with pytest.raises(BuildError, match=r"has sglang 0\.5\.23; the job's build is the installed "
                                          r"sglang 0\.5\.19"):
-        engine_for(spec, {**request, "version": "0.5.19"})
+        engine_for(spec, {**request, "version": "0.5.19"}, worker)
     with pytest.raises(BuildError, match=r"has no sglang installed"):
-        prepare_build(None, [], sys.executable)
+        prepare_build(None, [], sys.executable, worker)
 
 
 @pytest.mark.parametrize("python, message", [
@@ -96,16 +96,17 @@ def test_the_installed_sglang_is_checked_on_each_machine(machine):
     ("/nowhere/bin/python", r"the SGLang python /nowhere/bin/python is not on this machine"),
 ])
 def test_a_machine_without_the_sglang_environment_says_so(machine, python, message):
-    machine("worker")
+    worker = machine("worker")
     with pytest.raises(BuildError, match=message):
-        prepare_build("sglang==0.5.23", [], python)
+        prepare_build("sglang==0.5.23", [], python, worker)
     with pytest.raises(BuildError, match=message):
-        engine_for(EngineSpec(kind="sglang", python=python), {"source": None, "version": "0.5.23"})
+        engine_for(EngineSpec(kind="sglang", python=python), {"source": None, "version": "0.5.23"},
+                   worker)
 
 
 def test_a_build_that_cannot_be_made_fails_that_run_alone(remote, machine, tmp_path):
     """execute: the run is an error naming the build, and no engine is started for it."""
-    machine("worker")
+    worker = machine("worker")
     matrix = MatrixFile.model_validate({
         "name": "fake", "engine": "sglang", "models": {"m": {"path": "/models/m"}},
         "include": [{"strategy": "extra_buffer", "overlap": True}], "scenarios": ["cold"]})
@@ -114,7 +115,7 @@ def test_a_build_that_cannot_be_made_fails_that_run_alone(remote, machine, tmp_p
                         [("p0", [1, 2, 3])], tmp_path / "logs",
                         build={"source": f"git:{remote}@{'f' * 40}", "patches": [],
                                "package_hash": "0" * 64})
-    result = execute(task)
+    result = execute(task, builds_dir=worker)
     assert result.verdict == "error" and result.config == config.name
     assert result.reason.startswith("engine build: ") and "unknown commit" in result.reason
     assert result.command == [] and not (tmp_path / "logs").exists()
@@ -123,22 +124,22 @@ def test_a_build_that_cannot_be_made_fails_that_run_alone(remote, machine, tmp_p
 def test_a_full_sha_is_resolved_without_fetching(remote, machine):
     """A commit named by its full sha cannot move, so a mirror that has it is not fetched again
     (each run resolves its build's sha); a branch is fetched each time."""
-    machine("service-side")
+    here = machine("service-side")
     first = git(remote, "rev-parse", "HEAD")
-    mirror, sha = resolve_commit(parse_source(f"git:{remote}@{first}"))
+    mirror, sha = resolve_commit(parse_source(f"git:{remote}@{first}"), here)
     assert sha == first
     (remote / "python" / "sglang" / "more.py").write_text("x = 1\n")
     git(remote, "add", "-A")
     git(remote, "commit", "-qm", "second")
     second = git(remote, "rev-parse", "HEAD")
-    assert resolve_commit(parse_source(f"git:{remote}@{first}")) == (mirror, first)
+    assert resolve_commit(parse_source(f"git:{remote}@{first}"), here) == (mirror, first)
     assert git(mirror, "rev-parse", "main") == first  # not fetched
-    assert resolve_commit(parse_source(f"git:{remote}@main")) == (mirror, second)
+    assert resolve_commit(parse_source(f"git:{remote}@main"), here) == (mirror, second)
     # a full sha the mirror lacks is fetched
     (remote / "python" / "sglang" / "more.py").write_text("x = 2\n")
     git(remote, "commit", "-qam", "third")
     third = git(remote, "rev-parse", "HEAD")
-    assert make_build(f"git:{remote}@{third}").manifest["commit"] == third
+    assert make_build(f"git:{remote}@{third}", root=here).manifest["commit"] == third
 
 
 def test_a_run_carries_its_deadline(monkeypatch, tmp_path):
