@@ -338,18 +338,19 @@ class RecurrentMixer(nn.Module):
             want.setdefault(k, []).append(seg)
         captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         width = self.conv.kernel - 1
-        lens = torch.tensor(lengths)
         ragged = any(n != big_l for n in lengths)
         h = ssm_state.float()
-        step = self.step_inputs(pre)
+        # each input as its L per-token views, taken in one call each: the same data, strides and
+        # arithmetic as slicing token t in the loop, without a dispatch per input and token
+        names, per_token = zip(*((k, v.unbind(1)) for k, v in self.step_inputs(pre).items()),
+                               strict=True)
+        if ragged:  # segment b still running at token t: valid[t][b]
+            valid = (torch.tensor(lengths)[None, :] > torch.arange(big_l)[:, None])
+            valid = valid.view(big_l, b, *([1] * (h.dim() - 1))).unbind(0)
         ys = []
         for t in range(big_l):
-            h_new, y = self.step(h, {k: v[:, t] for k, v in step.items()})
-            if ragged:
-                valid = (lens > t).view(b, *([1] * (h.dim() - 1)))
-                h = torch.where(valid, h_new, h)
-            else:
-                h = h_new
+            h_new, y = self.step(h, dict(zip(names, (v[t] for v in per_token), strict=True)))
+            h = torch.where(valid[t], h_new, h) if ragged else h_new
             ys.append(y)
             for seg in want.get(t + 1, ()):
                 captured[(seg, t + 1)] = (_conv_state_after(full, seg, t + 1, width),
@@ -435,14 +436,17 @@ class Mamba2Mixer(RecurrentMixer):
         return xs.unflatten(-1, (self.h, self.p)), bm, cm
 
     def step_inputs(self, pre):
+        """Per token, shaped to broadcast against the state [B, H, P, N] (views: no copy)."""
         xs, bm, cm = self._split(pre)
         dt = pre["dt"]
         da = torch.exp(dt * -torch.exp(self.A_log))
-        return {"x": xs, "dtx": xs * dt[..., None], "B": bm, "C": cm, "dA": da}
+        return {"Dx": self.D[:, None] * xs, "dtx": (xs * dt[..., None])[..., None],
+                "B": bm[:, :, None, None, :], "C": cm[:, :, None, None, :],
+                "dA": da[..., None, None]}
 
     def step(self, h, inp):
-        h = h * inp["dA"][:, :, None, None] + inp["dtx"][:, :, :, None] * inp["B"][:, None, None, :]
-        y = (h * inp["C"][:, None, None, :]).sum(-1) + self.D[:, None] * inp["x"]
+        h = h * inp["dA"] + inp["dtx"] * inp["B"]
+        y = (h * inp["C"]).sum(-1) + inp["Dx"]
         return h, y
 
     def chunk_scan(self, pre, h):
@@ -528,16 +532,18 @@ class GatedDeltaNetMixer(RecurrentMixer):
         return _l2norm(q) / math.sqrt(self.dk), _l2norm(k), v
 
     def step_inputs(self, pre):
+        """Per token, shaped to broadcast against the state [B, H, dk, dv] (views: no copy)."""
         q, k, v = self._qkv(pre)
-        return {"q": q, "k": k, "v": v, "beta": pre["beta"], "decay": torch.exp(pre["g"])}
+        return {"q": q[..., None], "k": k[..., None], "v": v, "beta": pre["beta"][..., None],
+                "decay": torch.exp(pre["g"])[..., None, None]}
 
     def step(self, s, inp):
-        s = s * inp["decay"][:, :, None, None]
-        k = inp["k"]
-        mem = (s * k[:, :, :, None]).sum(2)  # [B, H, dv]
-        delta = (inp["v"] - mem) * inp["beta"][:, :, None]
-        s = s + k[:, :, :, None] * delta[:, :, None, :]
-        y = (s * inp["q"][:, :, :, None]).sum(2)
+        s = s * inp["decay"]
+        k = inp["k"]  # [B, H, dk, 1]
+        mem = (s * k).sum(2)  # [B, H, dv]
+        delta = (inp["v"] - mem) * inp["beta"]
+        s = s + k * delta[:, :, None, :]
+        y = (s * inp["q"]).sum(2)
         return s, y
 
     def chunk_scan(self, pre, h):

@@ -199,23 +199,15 @@ class ModelRunner:
     def _input_logprobs(self, v: ReqView, rows: torch.Tensor, res: ReqResult):
         # the logprob of the prompt token at position p comes from the logits at row p - 1
         first = max(v.logprob_from, v.start) - v.start
-        lp = torch.log_softmax(rows, dim=-1)
-        for r in range(first, min(len(rows), len(v.next_ids))):
-            tok = v.next_ids[r]
-            res.input_logprobs.append(float(lp[r, tok]))
-            if v.top_logprobs_num:
-                res.input_top_logprobs.append(_topk(lp[r], v.top_logprobs_num))
-            if v.token_ids_logprob:
-                res.input_ids_logprobs.append([(float(lp[r, t]), t) for t in v.token_ids_logprob])
+        end = min(len(rows), len(v.next_ids))
+        if end > first:
+            lp = torch.log_softmax(rows, dim=-1)[first:end]
+            _logprobs(lp, v.next_ids[first:end], v, res.input_logprobs, res.input_top_logprobs,
+                      res.input_ids_logprobs)
 
     def _output_logprobs(self, v: ReqView, rows: torch.Tensor, toks: list[int], res: ReqResult):
-        lp = torch.log_softmax(rows, dim=-1)
-        for r, tok in enumerate(toks):
-            res.token_logprobs.append(float(lp[r, tok]))
-            if v.top_logprobs_num:
-                res.top_logprobs.append(_topk(lp[r], v.top_logprobs_num))
-            if v.token_ids_logprob:
-                res.ids_logprobs.append([(float(lp[r, t]), t) for t in v.token_ids_logprob])
+        lp = torch.log_softmax(rows, dim=-1)[: len(toks)]
+        _logprobs(lp, toks, v, res.token_logprobs, res.top_logprobs, res.ids_logprobs)
 
     # ---- plain decode ---------------------------------------------------------------------
     def _decode(self, fb: ForwardBatch) -> list[ReqResult]:
@@ -393,9 +385,20 @@ def hidden_row(lengths: list[int], b: int, row: int, hidden: torch.Tensor) -> to
     return hidden[sum(lengths[:b]) + row]
 
 
-def _topk(lp: torch.Tensor, k: int) -> list[tuple[float, int]]:
-    vals, idx = torch.topk(lp, min(k, lp.shape[-1]))
-    return [(float(a), int(i)) for a, i in zip(vals, idx, strict=True)]
+def _logprobs(lp: torch.Tensor, toks: list[int], v: ReqView, token_out: list[float],
+              top_out: list[list[tuple[float, int]]], ids_out: list[list[tuple[float, int]]]):
+    """Each row's logprob of its token, top-k and asked-for ids (``lp``: natural-log, one row per
+    token of ``toks``), appended to the request's lists; all rows in one pass per kind."""
+    rows = torch.arange(len(toks))
+    token_out.extend(lp[rows, torch.tensor(toks)].tolist())
+    if v.top_logprobs_num:
+        vals, idx = torch.topk(lp, min(v.top_logprobs_num, lp.shape[-1]), dim=-1)
+        top_out.extend([list(zip(a, i, strict=True))
+                        for a, i in zip(vals.tolist(), idx.tolist(), strict=True)])
+    if v.token_ids_logprob:
+        asked = v.token_ids_logprob
+        ids_out.extend([list(zip(a, asked, strict=True))
+                        for a in lp[:, torch.tensor(asked)].tolist()])
 
 
 def _probs(logits: torch.Tensor, s: SamplingInfo) -> torch.Tensor:
