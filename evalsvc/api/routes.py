@@ -17,7 +17,7 @@ from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression
 from evalsvc.verdicts import compare_builds
 from evalsvc.web.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
-from evalsvc.web.params import JobId, RunId, StorableText, TriageUpdate
+from evalsvc.web.params import JobId, RegressionId, RunId, StorableText, TriageUpdate
 
 router = APIRouter(dependencies=[Depends(require_read)])
 
@@ -239,7 +239,7 @@ def read_regressions(session: SessionDep,
 
 
 @router.get("/regressions/{regression_id}", tags=["verdicts"])
-def read_regression(regression_id: RunId, session: SessionDep) -> dict[str, Any]:
+def read_regression(regression_id: RegressionId, session: SessionDep) -> dict[str, Any]:
     r = session.get(Regression, regression_id)
     if r is None:
         raise HTTPException(status_code=404, detail=f"no regression {regression_id}")
@@ -247,7 +247,7 @@ def read_regression(regression_id: RunId, session: SessionDep) -> dict[str, Any]
 
 
 @router.patch("/regressions/{regression_id}", tags=["verdicts"])
-def triage_regression(regression_id: RunId, body: TriageUpdate, session: SessionDep,
+def triage_regression(regression_id: RegressionId, body: TriageUpdate, session: SessionDep,
                       user: WriteUserDep) -> dict[str, Any]:
     """Triage a regression: acknowledged, expected or fixed, with a comment."""
     try:

@@ -27,7 +27,7 @@ from evalsvc.validation import describe_errors
 from evalsvc.web.auth import Accounts, User, csrf_matches
 from evalsvc.web.deps import ServicesDep, SessionDep, current_user, require_read
 from evalsvc.web.middleware import WRITES_OFF, read_only
-from evalsvc.web.params import JobId, RunId, TriageUpdate
+from evalsvc.web.params import JobId, RegressionId, TriageUpdate
 
 log = logging.getLogger("evalsvc.dashboard")
 VIA = "dashboard"
@@ -135,7 +135,7 @@ def delete_session(request: Request, csrf_token: CsrfField = None) -> RedirectRe
 # ---- regressions ---------------------------------------------------------------------------------
 
 @router.post("/regressions/{regression_id}/triage")
-def create_triage_form(regression_id: RunId, request: Request, session: SessionDep,
+def create_triage_form(regression_id: RegressionId, request: Request, session: SessionDep,
                        services: ServicesDep, user: FormUser, triage: FormText = "",
                        comment: FormText = "") -> Any:
     """Triage a regression (acknowledged, expected, fixed, or untriaged again) with a comment."""
@@ -155,7 +155,7 @@ def create_triage_form(regression_id: RunId, request: Request, session: SessionD
 
 
 @router.post("/regressions/{regression_id}/bisect")
-def create_bisection_form(regression_id: RunId, request: Request, session: SessionDep,
+def create_bisection_form(regression_id: RegressionId, request: Request, session: SessionDep,
                           services: ServicesDep, user: FormUser,
                           num_prompts: FormText = "") -> Any:
     """Start a bisection of a regression: between its last good and its first bad commit."""

@@ -33,7 +33,7 @@ from evalsvc.types import FINISHED_JOB_STATUSES
 from evalsvc.verdicts import compare_builds, run_limits
 from evalsvc.web.auth import csrf_token
 from evalsvc.web.deps import SessionDep, current_user, require_read
-from evalsvc.web.params import JobId, RunId
+from evalsvc.web.params import JobId, RegressionId, RunId
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
@@ -491,7 +491,7 @@ def regression_page(request: Request, session: Session, regression_id: int,
 
 
 @router.get("/regressions/{regression_id}")
-def read_regression_page(regression_id: RunId, request: Request, session: SessionDep
+def read_regression_page(regression_id: RegressionId, request: Request, session: SessionDep
                          ) -> HTMLResponse:
     """A regression: its series, commits and evidence, its bisections, who triaged it and how
     (the forms triage and bisect it)."""

@@ -1,5 +1,5 @@
-"""Parameters and bodies the REST API and the dashboard's forms both take: job and run ids in a
-path, text both SQLite and PostgreSQL store, a regression's triage."""
+"""Parameters and bodies the REST API and the dashboard's forms both take: job, run and regression
+ids in a path, text both SQLite and PostgreSQL store, a regression's triage."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from pydantic import AfterValidator, BaseModel, Field
 from evalsvc.web.middleware import unstorable
 
 JobId = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-RunId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+# a store row's id in a path (an INTEGER key in both databases), named for what it identifies
+RowId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+RunId = RowId
+RegressionId = RowId
 
 
 def _storable(value: str | None) -> str | None:
