@@ -49,8 +49,13 @@ def test_smoke_without_defects_passes_everywhere(tmp_path, matrix):
     assert not bad, bad
     if matrix == "smoke":
         assert all(r["kl_k3_mean"] < 1e-6 for r in rows)
-    else:  # bf16: a real floor, far from float32 rounding and far below SGLang's thresholds
-        assert all(1e-7 < r["kl_k3_mean"] < 1e-3 for r in rows)
+    else:  # bf16: a real floor, far from float32 rounding (1e-12 and under) and far below
+        # SGLang's thresholds. A scenario whose decode is itself a prefill-like pass (MTP's verify
+        # extends, unchunked) can come close to the reference: 5.9e-8 for gdn's MTP cold scenario
+        # on an AVX2-only CPU, whose bf16 kernels differ from AVX-512's (above 1e-7 there)
+        kl = sorted(r["kl_k3_mean"] for r in rows)
+        assert kl[0] > 1e-9 and kl[-1] < 1e-3, kl
+        assert kl[len(kl) // 2] > 1e-6, kl  # the typical scenario sits well above
     assert (tmp_path / "clean" / "summary.json").is_file()
     assert (tmp_path / "clean" / "samples.parquet").is_file()
 
