@@ -1,5 +1,5 @@
 # The two commands: `make run` and `make test`. Both set themselves up in .venv.
-# `make test-fast`: the pure and unit tests alone (no engine processes, SGLang envs or wheels).
+# `make test-fast`: the pure and unit tests alone (no engine processes or in-process model runs, no SGLang envs or wheels).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -37,11 +37,11 @@ test: $(STAMP) chromium
 	$(BIN)/ruff check evalsvc tests training benchmarks
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
-# everything not marked slow (engines, services, browsers), sglang_contract or wheels: under 2
-# minutes here; `make test` still runs it all
+# everything not marked slow (engine processes, services, browsers), model (the engine's model
+# run in-process), sglang_contract or wheels: under 2 minutes here; `make test` still runs it all
 test-fast: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not sglang_contract and not wheels" \
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not model and not sglang_contract and not wheels" \
 	  --durations=10
 
 lint: $(STAMP)

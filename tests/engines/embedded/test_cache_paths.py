@@ -17,6 +17,8 @@ import pytest
 
 from .conftest import FAMILIES, LocalEngine, Probe, request, token_prompts
 
+pytestmark = pytest.mark.model
+
 TOL = 1e-5
 CHUNK = 64
 DECODE_TOKENS = 72  # past one --mamba-track-interval 64 boundary

@@ -19,6 +19,8 @@ from evalsvc.engines.embedded.defects import Defect, affects, defect_fraction
 from .conftest import FAMILIES, LocalEngine, request, token_prompts
 from .test_cache_paths import CHUNK, TOL, config_flags, run_cache_paths
 
+pytestmark = pytest.mark.model
+
 DIVERGED = 1e-3  # a defect's effect is orders of magnitude above the no-defect noise (< 1e-5)
 
 # config: (strategy, overlap, chunked, hicache, mtp)
