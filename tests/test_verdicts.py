@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from evalsvc.judging import Series, judge_metric
-from evalsvc.metrics.stats import change_point, welch_difference
+from evalsvc.metrics.stats import _split_statistics, change_point, welch_difference
 from evalsvc.thresholds import HistorySettings, Limits, MetricLimits, ThresholdError, limits_for
 from evalsvc.thresholds import load_thresholds as load
 
@@ -149,6 +149,21 @@ def test_change_point_finds_a_lasting_shift_and_ignores_noise():
              for _ in range(50)]
     assert sum(p <= 0.01 for p in noise) <= 2
     assert change_point([1.0] * 10) is None
+
+
+@pytest.mark.parametrize("n", [4, 11, 24])
+def test_change_point_shuffles_as_one_permutation_per_draw(n):
+    """The shuffles drawn in one call are the ones drawn one ``rng.permutation`` at a time (how
+    the p-values of recorded verdicts were computed): the same statistic and p-value."""
+    x = np.random.default_rng(n).normal(1.0, 0.1, n)
+    x[n // 2:] += 0.05
+    rng = np.random.default_rng(3)
+    perms = np.stack([x] + [rng.permutation(x) for _ in range(499)])
+    stats = _split_statistics(perms, 2)
+    observed = stats[0].max()
+    exceed = int(np.sum(stats[1:].max(axis=1) >= observed - 1e-12 * abs(observed)))
+    cp = change_point(x, permutations=499, seed=3)
+    assert cp["statistic"] == observed and cp["p_value"] == (1 + exceed) / 500
 
 
 def test_change_point_flags_a_shift_that_single_runs_do_not_show():
