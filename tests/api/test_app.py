@@ -167,6 +167,7 @@ def api_schema(tmp_path, db_url):
         yield schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
+@pytest.mark.fuzz
 def test_no_request_makes_a_server_error(api_schema):
     """On SQLite and on PostgreSQL (which refuses NUL in text): no 5xx from any operation."""
     operations = [result.ok() for result in api_schema.get_all_operations()]

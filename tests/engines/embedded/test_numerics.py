@@ -210,6 +210,7 @@ def test_bf16_decode_depends_on_the_batch(model, demo_prompts, engine_factory):
     assert 0 < max(diffs) < 0.5, diffs
 
 
+@pytest.mark.model  # one request and one token at a time: seconds per test
 @pytest.mark.parametrize("model", FAMILIES)
 def test_bf16_deterministic_inference_stays_bit_exact(model, demo_prompts, engine_factory):
     eng = engine_factory(bf16_flags(model, "--enable-deterministic-inference",
