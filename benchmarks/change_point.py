@@ -37,7 +37,8 @@ PERMUTATIONS = 1999
 
 def loop_change_point(x: np.ndarray, permutations: int = PERMUTATIONS, seed: int = 0,
                       min_segment: int = 2) -> tuple[float, float]:
-    """(statistic, p_value) as ``change_point`` computed them before: a shuffle per call."""
+    """(statistic, p_value) as ``change_point`` computed them before: a shuffle per call (the
+    oracle ``tests/test_verdicts.py`` pins ``change_point`` against)."""
     rng = np.random.default_rng(seed)
     perms = np.stack([x] + [rng.permutation(x) for _ in range(permutations)])
     stats = _split_statistics(perms, min_segment)
