@@ -47,7 +47,7 @@ test: $(STAMP) chromium
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # everything not marked slow (engine processes, services, browsers), model (the engine's model
-# run in-process), fuzz (the REST API fuzzed), sglang_contract or wheels: under 2 minutes here;
+# run in-process), fuzz (the REST API fuzzed), sglang_contract or wheels: about 2 minutes here;
 # `make test` still runs it all
 test-fast: $(STAMP)
 	$(BIN)/ruff check evalsvc tests training benchmarks
