@@ -26,7 +26,7 @@ SGLang's pure-Python dependencies pinned as they were in a working environment
 (``requirements-sglang-cpu-0.5.17.txt`` beside this file), and the ``sitecustomize.py`` that lets
 PyPI's CUDA torchvision import beside CPU torch. A marker records the recipe's fingerprint, so a
 second call with nothing changed returns at once; a changed recipe, kernel or requirements file
-installs again over the same directory (pip keeps what already satisfies the pins).
+installs again over the same directory (pip and uv keep what already satisfies the pins).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Any
 
 from evalsvc import children
 from evalsvc.builds.sglang_env import SITECUSTOMIZE as ENV_SITECUSTOMIZE
+from evalsvc.builds.sglang_env import SGLangEnvError, find_uv
 
 KERNEL_VARIABLE = "EVALSVC_SGLANG_CPU_KERNEL"
 SGLANG = "sglang==0.5.17"
@@ -158,12 +159,20 @@ def ensure(dest: Path = DEFAULT_DEST, *, host: Host | None = None,
         return dest / "bin" / "python"
     python = dest / "bin" / "python"
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # SGLang, the kernel and the rest through uv, compiled (an engine imports them at every start),
+    # torch through the env's pip, as the SGLang envs do (sglang_env._install)
+    try:
+        uv = [find_uv(SGLANG.partition("==")[2] + " CPU"), "pip", "install", "--quiet", "--compile-bytecode",
+              "--python", str(python)]
+    except SGLangEnvError as exc:
+        raise SGLangCPUError(str(exc)) from None
     constraints = dest / "constraints.txt"
     steps = [
-        ("venv", [sys.executable, "-m", "venv", str(dest)]),
+        ("venv", [uv[0], "venv", "--quiet", "--seed", "--allow-existing", "--python",
+                  sys.executable, str(dest)]),
         ("torch", [*pip, TORCH]),
-        ("sglang and kernel", [*pip, "--no-deps", SGLANG, str(kernel), TORCHVISION]),
-        ("dependencies", [*pip, "-c", str(constraints), "-r", str(REQUIREMENTS)]),
+        ("sglang and kernel", [*uv, "--no-deps", SGLANG, str(kernel), TORCHVISION]),
+        ("dependencies", [*uv, "-c", str(constraints), "-r", str(REQUIREMENTS)]),
     ]
     for step, argv in steps:
         if step == "dependencies":

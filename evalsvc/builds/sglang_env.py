@@ -245,7 +245,7 @@ def _install(version: str, tmp: Path) -> list[dict[str, Any]]:
         _run(version, name, argv, timeout=timeout)
         steps.append({"step": name, "seconds": round(time.monotonic() - t, 1)})
 
-    uv = _uv(version)
+    uv = find_uv(version)
     step("create virtualenv", [uv, "venv", "--quiet", "--seed", "--python", sys.executable,
                                str(tmp)], timeout=300)
     python = str(env_python(tmp))
@@ -265,8 +265,9 @@ def _install(version: str, tmp: Path) -> list[dict[str, Any]]:
     return steps
 
 
-def _uv(version: str) -> str:
-    """The uv binary: the ``uv`` package's (a dependency of evalsvc), else one on PATH."""
+def find_uv(version: str) -> str:
+    """The uv binary: the ``uv`` package's (a dependency of evalsvc), else one on PATH;
+    ``version`` names what is being built in the error."""
     try:
         from uv import find_uv_bin
         return find_uv_bin()
