@@ -163,7 +163,7 @@ def read_marker(env: Path) -> dict[str, Any] | None:
 
 
 def ensure_sglang_env(version: str) -> Path:
-    """The python of a cached env with ``sglang==version``; built (minutes) when missing."""
+    """The python of a cached env with ``sglang==version``; built (under a minute here) when missing."""
     version = _check_version(version)
     root = env_root()
     env = root / version
@@ -236,8 +236,8 @@ def _build(version: str, root: Path, env: Path) -> None:
 def _install(version: str, tmp: Path) -> list[dict[str, Any]]:
     """torch through the env's pip, which finds the CPU build where the machine's pip configuration
     says (as ``make setup`` does); SGLang and the rest through uv, which keeps that torch and
-    installs the same versions as pip resolves in seconds rather than minutes (unpacking and
-    compiling about 2 GB: 100 to 120 s with pip, 10 s with uv, measured on a 2-core machine)."""
+    installs the same versions as pip resolves in seconds rather than minutes (the installs of a
+    release's env: 127 to 129 s with pip, 19 to 20 s this way; benchmarks/sglang_env.py)."""
     steps = []
 
     def step(name: str, argv: Sequence[str], timeout: float) -> None:

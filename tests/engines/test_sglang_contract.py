@@ -6,7 +6,7 @@ env (``evalsvc.builds.sglang_env``) holds that release from PyPI on CPU torch, a
 ``mamba-full`` matrix builds (on a tiny local Qwen3-Next config) and validates the request payloads
 evalsvc sends. The control plane never imports sglang.
 
-The first run builds the envs (minutes, about 2.5 GB each, see ``sglang_env``); later runs reuse
+The first run builds the envs (under a minute each, about 2.3 GB, see ``sglang_env``); later runs reuse
 them, and the checker's result while nothing it follows from changed (``check_key``). With ``CI``
 set an env that cannot be built fails the tests; elsewhere, when the package index cannot be
 reached, they are skipped with the reason.
