@@ -42,7 +42,7 @@ from typing import Any
 
 from evalsvc import children
 from evalsvc.builds.sglang_env import SITECUSTOMIZE as ENV_SITECUSTOMIZE
-from evalsvc.builds.sglang_env import SGLangEnvError, find_uv
+from evalsvc.builds.sglang_env import find_uv
 
 KERNEL_VARIABLE = "EVALSVC_SGLANG_CPU_KERNEL"
 SGLANG = "sglang==0.5.17"
@@ -162,10 +162,9 @@ def ensure(dest: Path = DEFAULT_DEST, *, host: Host | None = None,
     # SGLang, the kernel and the rest through uv, compiled (an engine imports them at every start),
     # torch through the env's pip, as the SGLang envs do (sglang_env._install)
     try:
-        uv = [find_uv(SGLANG.partition("==")[2] + " CPU"), "pip", "install", "--quiet", "--compile-bytecode",
-              "--python", str(python)]
-    except SGLangEnvError as exc:
-        raise SGLangCPUError(str(exc)) from None
+        uv = [find_uv(), "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python)]
+    except FileNotFoundError as exc:
+        raise SGLangCPUError(f"{dest}: {exc}") from None
     constraints = dest / "constraints.txt"
     steps = [
         ("venv", [uv[0], "venv", "--quiet", "--seed", "--allow-existing", "--python",

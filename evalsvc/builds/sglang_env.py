@@ -163,7 +163,7 @@ def read_marker(env: Path) -> dict[str, Any] | None:
 
 
 def ensure_sglang_env(version: str) -> Path:
-    """The python of a cached env with ``sglang==version``; built (under a minute here) when missing."""
+    """The python of a cached env with ``sglang==version``; built (a minute) when missing."""
     version = _check_version(version)
     root = env_root()
     env = root / version
@@ -245,7 +245,10 @@ def _install(version: str, tmp: Path) -> list[dict[str, Any]]:
         _run(version, name, argv, timeout=timeout)
         steps.append({"step": name, "seconds": round(time.monotonic() - t, 1)})
 
-    uv = find_uv(version)
+    try:
+        uv = find_uv()
+    except FileNotFoundError as exc:
+        raise SGLangEnvError(version, "find uv", str(exc)) from None
     step("create virtualenv", [uv, "venv", "--quiet", "--seed", "--python", sys.executable,
                                str(tmp)], timeout=300)
     python = str(env_python(tmp))
@@ -265,16 +268,15 @@ def _install(version: str, tmp: Path) -> list[dict[str, Any]]:
     return steps
 
 
-def find_uv(version: str) -> str:
-    """The uv binary: the ``uv`` package's (a dependency of evalsvc), else one on PATH;
-    ``version`` names what is being built in the error."""
+def find_uv() -> str:
+    """The uv binary: the ``uv`` package's (a dependency of evalsvc), else one on PATH."""
     try:
         from uv import find_uv_bin
         return find_uv_bin()
     except (ImportError, FileNotFoundError):
         found = shutil.which("uv")
     if found is None:
-        raise SGLangEnvError(version, "find uv", "uv is not installed (pip install uv)")
+        raise FileNotFoundError("uv is not installed (pip install uv)")
     return found
 
 
