@@ -23,6 +23,13 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests (engine processes, services, browsers: seconds to minutes each) first, in
+    their order, then the rest: the workers then end on short tests together, not one worker on a
+    long one while the other idles (longest first, by the one mark that says so)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def demo_prompts() -> list[str]:
     lines = resources.files("evalsvc").joinpath("assets/prompts/demo.jsonl").read_text()
