@@ -174,6 +174,7 @@ def test_the_openai_client_talks_to_the_engine(python: Path, client: httpx.Clien
     chat = out["chat"]
     assert chat["role"] == "assistant" and chat["finish_reason"] == "length"
     assert len(chat["logprobs"]) == 8 and all(n == 2 for *_, n in chat["logprobs"])
+    assert chat["usage"]["prompt_tokens"] < 64  # never a cache hit (the comment at the client's CHAT)
     assert out["chat_stream"]["content"] == chat["content"]
     assert out["chat_stream"]["first_role"] == "assistant"
     assert out["chat_stream"]["logprobs"] == [lp for _, _, lp, _ in chat["logprobs"]]

@@ -14,7 +14,10 @@ from evalsvc.engines.launch import EngineProcess
 
 from .test_server import SHORT_PROMPT, _client, generate, greedy, new_engine
 
-CHAT = [{"role": "system", "content": "You write Python."},
+# under 64 tokens with the template's (byte-level) tokens, as SHORT_PROMPT alone: never a prefix-cache
+# hit, so the same chat asked twice computes the same numbers (a hit resumes from a cached state,
+# equal to a cold recompute only to float32 rounding, which depends on the CPU's kernels)
+CHAT = [{"role": "system", "content": "Python."},
         {"role": "user", "content": [{"type": "text", "text": SHORT_PROMPT}]}]
 
 
@@ -117,6 +120,7 @@ def test_completion_stream_adds_up_to_the_answer(client: httpx.Client):
 def test_chat_renders_the_template_and_equals_the_native_answer(client: httpx.Client):
     ids = chat_ids(client, CHAT)
     assert ids[0] == 257  # <|bos|>, the template's turn opener
+    assert len(ids) < 64  # no cache hit (the comment at CHAT)
     native = generate(client, input_ids=ids, sampling_params=greedy(6), return_logprob=True,
                       top_logprobs_num=2)
     out = client.post("/v1/chat/completions", json={
@@ -132,6 +136,7 @@ def test_chat_renders_the_template_and_equals_the_native_answer(client: httpx.Cl
     assert [c["bytes"] for c in content] == [[t] for t in native["output_ids"]]
     assert all(len(c["top_logprobs"]) == 2 for c in content)
     assert choice["meta_info"]["prompt_tokens"] == len(ids)
+    assert native["meta_info"]["cached_tokens"] == choice["meta_info"]["cached_tokens"] == 0
     assert out["usage"]["prompt_tokens"] == len(ids)
 
 
