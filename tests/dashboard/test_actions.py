@@ -221,6 +221,36 @@ def test_posting_and_cancelling_a_job_from_the_pages_is_recorded(tmp_path, db_ur
                       ).status_code == 404
 
 
+def test_a_running_jobs_page_says_when_its_cancel_was_asked_also_once_it_ended(tmp_path,
+                                                                                  db_url):
+    """A cancel of a running job is asked, then the runner ends it: its page says when the cancel
+    was asked while it runs, and still does once it has ended (without the pending step)."""
+    with make_client(tmp_path, db_url) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        job_id = c.post("/api/v1/jobs", headers=WRITE_TOKEN,
+                        json={"matrix": "smoke", "configs": [CONFIG]}).json()["id"]
+        store = Store(db_url, migrate=False)
+        try:
+            with store.session() as s:  # the runner has taken it up
+                s.get(Job, job_id).status = "running"
+            page = c.get(f"/jobs/{job_id}").text
+            assert 'class="cancelling"' not in page and 'id="cancel-form"' in page
+            c.post(f"/jobs/{job_id}/cancel", data={"csrf_token": csrf_of(page)})
+            asked = re.search(r'<td class="cancelling">(.*?)</td>', c.get(f"/jobs/{job_id}").text)
+            assert asked and asked.group(1).startswith("asked ")
+            assert asked.group(1).endswith("the job stops at its next step")
+            with store.session() as s:  # the runner has stopped it
+                job = s.get(Job, job_id)
+                job.status, job.finished_at = "cancelled", job.cancel_requested_at
+        finally:
+            store.close()
+        page = c.get(f"/jobs/{job_id}").text
+        ended = re.search(r'<td class="cancelling">(.*?)</td>', page)
+        assert ended and ended.group(1) == asked.group(1).removesuffix(
+            ": the job stops at its next step")
+        assert "next step" not in ended.group(1) and 'id="cancel-form"' not in page
+
+
 def test_the_job_form_is_prefilled_from_a_commit_and_a_comparison(tmp_path, db_url):
     store = Store(db_url)
     try:

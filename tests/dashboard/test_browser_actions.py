@@ -208,7 +208,8 @@ def test_start_a_bisection_from_a_regression(tab, dashboard, git_regression):
 
 def test_cancel_a_running_job(tab, dashboard):
     """A job posted from /jobs/new, cancelled from its page while it runs: it ends cancelled,
-    and its page says who posted and who cancelled it."""
+    and its page says who posted and who cancelled it, and when the cancel was asked (also once
+    the job has ended: the runner may stop it before the page after the click renders)."""
     dashboard.wait()
     page = tab.open("/jobs")
     page.click("#post-job")
@@ -227,6 +228,8 @@ def test_cancel_a_running_job(tab, dashboard):
     assert "asked" in page.locator("#job-facts .cancelling").inner_text()
     assert page.locator("#cancel-form").count() == 0
     page.wait_for_selector("#job-facts:not([data-poll-job]) .status .v-cancelled", timeout=120_000)
+    asked = page.locator("#job-facts .cancelling").inner_text()
+    assert asked.startswith("asked ") and "next step" not in asked, asked
     assert [(w, what) for w, what, _ in history(page)] == [
         ("alice", f"submitted the job (smoke: {CONFIGS[1]}; 1 build)"),
         ("alice", "cancelled the job (cancelling)")]
