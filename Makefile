@@ -4,8 +4,11 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# pytest-xdist processes (the slow tests are engine-bound: one core each)
-TEST_WORKERS ?= 2
+# pytest-xdist processes: one more than the two cores. An engine computes on one core, but the
+# end-to-end tests also wait (engine start-up, deadlines, a browser, a database restart), and with
+# two workers a core idled through a fifth of the run; a fourth worker only adds contention
+# (BENCHMARKS.md, "The test suite")
+TEST_WORKERS ?= 3
 # pytest and the processes the tests start keep their bytecode and pytest's rewritten test modules
 # in the (git-ignored) __pycache__ folders even where PYTHONDONTWRITEBYTECODE is set: otherwise
 # every worker rewrites every test module at collection (4 to 5 s each) and every engine, service
