@@ -169,8 +169,14 @@ def test_abort_request_by_rid_and_all(client: httpx.Client):
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(client.post, "/generate", json={
             "text": f"{i} {SHORT_PROMPT}", "sampling_params": greedy(20000)}) for i in range(3)]
-        wait_until(lambda: metric(client.get("/metrics").text, "sglang:num_running_reqs") >= 2,
-                   30, "the requests to run")
+        # all three must have reached the scheduler (two running, one waiting) before the
+        # abort: one still on its way would miss abort_all, as in SGLang, and run 20000 tokens
+        def two_run_one_waits() -> bool:
+            text = client.get("/metrics").text
+            return (metric(text, "sglang:num_running_reqs") >= 2
+                    and metric(text, "sglang:num_queue_reqs") >= 1)
+
+        wait_until(two_run_one_waits, 30, "two requests to run and one to wait")
         assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
         reasons = [f.result(timeout=60).json()["meta_info"]["finish_reason"] for f in futs]
     # two ran (--max-running-requests 2), one still waited
