@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, aliased
 
 from evalsvc.store.db import Store
 from evalsvc.store.models import Alert, Build, Commit, Regression, Run, utcnow
+from evalsvc.tls import tls_context
 
 log = logging.getLogger("evalsvc.alerts")
 MAX_ATTEMPTS = 5
@@ -90,7 +91,7 @@ def deliver(store: Store, webhook: str | None, timeout: float = 10.0) -> int:
     for alert_id, payload in pending:
         error = None
         try:
-            resp = httpx.post(webhook, json=payload, timeout=timeout)
+            resp = httpx.post(webhook, json=payload, timeout=timeout, verify=tls_context())
             if resp.status_code >= 300:
                 error = f"HTTP {resp.status_code}: {resp.text[:200]}"
         except httpx.HTTPError as exc:

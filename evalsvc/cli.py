@@ -439,11 +439,12 @@ def bisect(
         import httpx
 
         from evalsvc.settings import Settings
+        from evalsvc.tls import tls_context
 
         token = Settings().api_token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         with httpx.Client(base_url=server.rstrip("/") + "/api/v1", headers=headers,
-                          timeout=60) as client:
+                          timeout=60, verify=tls_context()) as client:
             resp = client.post("/bisections", json=body.model_dump(exclude_none=True))
             if resp.status_code != 201:
                 typer.echo(f"error: {resp.json().get('detail', resp.text)}", err=True)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evalsvc.engines.launch import EngineProcess, embedded_command, free_port
+from evalsvc.tls import tls_context
 from evalsvc.types import FINISHED_JOB_STATUSES
 
 
@@ -32,7 +33,7 @@ def run_engine_demo(flags: list[str]) -> int:
     console.print(f"[bold]Starting the embedded engine[/] on port {port} (log: {log_path})")
     with EngineProcess(embedded_command(port, ["--random-seed", "0", *flags]), port,
                        log_path=log_path) as eng, httpx.Client(base_url=eng.base_url,
-                                                               timeout=120) as client:
+                                                               timeout=120, verify=tls_context()) as client:
         info = client.get("/server_info").json()
         console.print(f"ready in {eng.startup_seconds:.1f} s: {info['model']['architecture']}, "
                       f"strategy={info['mamba_radix_cache_strategy']}, "
@@ -124,7 +125,7 @@ def run_service_demo(matrix: str, configs: list[str] | None = None,
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "EVALSVC_NIGHTLY": "false"})
     try:
-        with httpx.Client(base_url=base, timeout=30) as client:
+        with httpx.Client(base_url=base, timeout=30, verify=tls_context()) as client:
             deadline = time.monotonic() + 120
             while True:
                 try:

@@ -145,3 +145,34 @@ def test_the_default_concurrency_leaves_the_workload_version_as_it_was() -> None
     assert workload_version(other, prompts) != workload_version(spec, prompts)
     with pytest.raises(ValueError, match="concurrency"):
         WorkloadSpec(concurrency=0)
+
+
+def test_clients_share_one_tls_context_that_verifies_as_httpx_default(monkeypatch):
+    """Each httpx client used to load the CA bundle again (about 20 ms of CPU); evalsvc's clients
+    now share one context per process, built as httpx builds its default, so they verify alike."""
+    import ssl
+
+    import httpx
+
+    from evalsvc import tls
+
+    built: list[ssl.SSLContext] = []
+    create = httpx.create_ssl_context
+
+    def counting(*args, **kwargs) -> ssl.SSLContext:
+        built.append(create(*args, **kwargs))
+        return built[-1]
+
+    tls.tls_context.cache_clear()
+    monkeypatch.setattr(tls.httpx, "create_ssl_context", counting)
+    try:
+        clients = [EngineClient(f"http://127.0.0.1:{port}") for port in (1, 2, 3)]
+        for c in clients:
+            c.close()
+        assert len(built) == 1
+    finally:
+        monkeypatch.undo()
+        tls.tls_context.cache_clear()
+    ctx, default = tls.tls_context(), httpx.create_ssl_context()
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert ctx.cert_store_stats()["x509_ca"] == default.cert_store_stats()["x509_ca"] > 0

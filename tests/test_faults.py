@@ -29,6 +29,7 @@ from sqlalchemy.pool import NullPool
 
 from evalsvc.store.lock import StoreLock, StoreLocked
 from evalsvc.store.models import Run
+from evalsvc.tls import tls_context
 from tests.api import conftest as api_conftest
 from tests.api.conftest import Service, free_port
 from tests.conftest import in_ci
@@ -96,7 +97,7 @@ def serving_engine(service: Service, db_url: str, timeout: float = 120,
             if port is not None:
                 try:
                     if httpx.get(f"http://127.0.0.1:{port}/health_generate",
-                                 timeout=5).status_code == 200:
+                                 timeout=5, verify=tls_context()).status_code == 200:
                         return run.id, run.engine_pid
                 except httpx.HTTPError:
                     pass

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "evalsvc"
 # each module's floor (the longest prefix decides): a module may import its own floor and below
 FLOORS = {
     "evalsvc": 0, "evalsvc.types": 0, "evalsvc.paths": 0, "evalsvc.settings": 0,
-    "evalsvc.logs": 0, "evalsvc.validation": 0, "evalsvc.children": 0,
+    "evalsvc.logs": 0, "evalsvc.validation": 0, "evalsvc.children": 0, "evalsvc.tls": 0,
     "evalsvc.engines": 1, "evalsvc.metrics": 1, "evalsvc.matrix": 1, "evalsvc.store": 1,
     "evalsvc.builds": 1, "evalsvc.workloads": 1, "evalsvc.tokenization": 1,
     "evalsvc.thresholds": 1, "evalsvc.judging": 1,

@@ -16,6 +16,7 @@ import httpx
 
 from evalsvc.engines.sglang_server import ResponseError, parse_completion
 from evalsvc.matrix import DEFAULT_CONCURRENCY
+from evalsvc.tls import tls_context
 from evalsvc.types import Completion
 
 MAX_CONCURRENCY = DEFAULT_CONCURRENCY  # requests in flight unless the workload says otherwise
@@ -86,7 +87,7 @@ class EngineClient:
         """``timeout``: of the requests without model work; a ``/generate`` gets the time its
         work allows (``work_seconds``). ``concurrency``: the most requests of a batch in flight."""
         self.base_url = base_url
-        self.http = httpx.Client(base_url=base_url, timeout=timeout)
+        self.http = httpx.Client(base_url=base_url, timeout=timeout, verify=tls_context())
         self.timeout = timeout
         self.draft_tokens = draft_tokens
         self.concurrency = concurrency

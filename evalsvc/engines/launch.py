@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from evalsvc.children import is_secret_env, parent_death_signal
+from evalsvc.tls import tls_context
 
 SCRUBBED_ENV_PREFIXES = ("SGLANG_SIMULATE_ACC",)
 class EngineStartError(RuntimeError):
@@ -114,7 +115,7 @@ class EngineProcess:
 
     def wait_ready(self) -> None:
         deadline = self._t0 + self.startup_timeout
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, verify=tls_context()) as client:
             while True:
                 code = self.proc.poll()
                 if code is not None:

@@ -48,6 +48,7 @@ import httpx
 
 from evalsvc.store.db import Store
 from evalsvc.store.queries import job_builds
+from evalsvc.tls import tls_context
 from tests.api.conftest import Service
 from tests.api.test_service import FAKE_MATRIX
 from tests.builds.test_build import git
@@ -116,7 +117,7 @@ def engines(token: str) -> list[dict[str, Any]]:
 def serving(engine: dict[str, Any]) -> bool:
     with contextlib.suppress(httpx.HTTPError):
         return httpx.get(f"http://127.0.0.1:{engine['port']}/health_generate",
-                         timeout=2).status_code == 200
+                         timeout=2, verify=tls_context()).status_code == 200
     return False
 
 
