@@ -4,12 +4,14 @@ resume exactly, and the shipped models load and predict."""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from evalsvc.engines.embedded.memory import KVPool
+from evalsvc.engines.embedded.memory import KVPool, pool_zeros
 from evalsvc.engines.embedded.model import (
     FAMILIES,
     HybridConfig,
@@ -153,6 +155,24 @@ def test_serving_forward_through_kv_pool(model):
     rest = model.forward_segments(ids[k:], torch.arange(k, n), [n - k],
                                   pool.access([slots[:k]], [new_slots]), first.states)
     assert max_diff(model.logits(rest.hidden), model.logits(out.hidden)[k:]) < 1e-5
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.long])
+def test_pool_zeros_are_zeros_that_take_memory_only_where_written(dtype):
+    """The pools' zeros: equal to ``torch.zeros``, writable, each its own memory; a pool of 256 MiB
+    costs memory only for the pages touched (``torch.zeros`` wrote all of them up front)."""
+    shape = (2**20, 4, 64 // torch.empty((), dtype=dtype).element_size())
+    before = _rss_bytes()
+    a, b = pool_zeros(*shape, dtype=dtype), pool_zeros(*shape, dtype=dtype)
+    assert a.shape == shape and a.dtype == dtype and a.is_contiguous()
+    a[[0, 7, shape[0] - 1]] = 3
+    assert _rss_bytes() - before < 32 * 2**20, "the untouched pages took memory"
+    assert a.sum() == 3 * 3 * shape[1] * shape[2] and b.count_nonzero() == 0
+    assert torch.equal(pool_zeros(3, 0, dtype=dtype), torch.zeros(3, 0, dtype=dtype))
 
 
 @torch.no_grad()
