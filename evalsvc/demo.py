@@ -32,8 +32,8 @@ def run_engine_demo(flags: list[str]) -> int:
     log_path = Path(tempfile.gettempdir()) / f"evalsvc-demo-engine-{port}.log"
     console.print(f"[bold]Starting the embedded engine[/] on port {port} (log: {log_path})")
     with EngineProcess(embedded_command(port, ["--random-seed", "0", *flags]), port,
-                       log_path=log_path) as eng, httpx.Client(base_url=eng.base_url,
-                                                               timeout=120, verify=tls_context()) as client:
+                       log_path=log_path) as eng, \
+            httpx.Client(base_url=eng.base_url, timeout=120, verify=tls_context()) as client:
         info = client.get("/server_info").json()
         console.print(f"ready in {eng.startup_seconds:.1f} s: {info['model']['architecture']}, "
                       f"strategy={info['mamba_radix_cache_strategy']}, "
