@@ -164,15 +164,10 @@ def test_clients_share_one_tls_context_that_verifies_as_httpx_default(monkeypatc
         return built[-1]
 
     tls.tls_context.cache_clear()
-    monkeypatch.setattr(tls.httpx, "create_ssl_context", counting)
-    try:
-        clients = [EngineClient(f"http://127.0.0.1:{port}") for port in (1, 2, 3)]
-        for c in clients:
-            c.close()
-        assert len(built) == 1
-    finally:
-        monkeypatch.undo()
-        tls.tls_context.cache_clear()
-    ctx, default = tls.tls_context(), httpx.create_ssl_context()
+    monkeypatch.setattr(httpx, "create_ssl_context", counting)
+    for port in (1, 2, 3):
+        EngineClient(f"http://127.0.0.1:{port}").close()
+    assert len(built) == 1
+    ctx, default = tls.tls_context(), create()
     assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
     assert ctx.cert_store_stats()["x509_ca"] == default.cert_store_stats()["x509_ca"] > 0

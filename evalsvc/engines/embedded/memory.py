@@ -25,7 +25,7 @@ def pool_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     with zeros page by page as it is first touched, rather than all at once: a KV pool of the
     default 65,536 tokens is 128 MiB, most of which a run never touches, and zeroing it took about
     45 ms of every engine start (and that memory). The same zeros either way."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

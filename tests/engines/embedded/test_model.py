@@ -165,7 +165,7 @@ def _rss_bytes() -> int:
 def test_pool_zeros_are_zeros_that_take_memory_only_where_written(dtype):
     """The pools' zeros: equal to ``torch.zeros``, writable, each its own memory; a pool of 256 MiB
     costs memory only for the pages touched (``torch.zeros`` wrote all of them up front)."""
-    shape = (2**20, 4, 64 // torch.empty((), dtype=dtype).element_size())
+    shape = (2**20, 4, 64 // dtype.itemsize)
     before = _rss_bytes()
     a, b = pool_zeros(*shape, dtype=dtype), pool_zeros(*shape, dtype=dtype)
     assert a.shape == shape and a.dtype == dtype and a.is_contiguous()
