@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     their order, then the rest: the workers then end on short tests together, not one worker on a
     long one while the other idles (longest first, by the one mark that says so)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_as_an_engine() -> None:
+    """The tests that run the engine's model in this process (``LocalEngine``, the model and
+    numerics tests) run it with the torch threads an engine process has
+    (``EVALSVC_ENGINE_THREADS``, default 1), not torch's default of one per core: on the tiny
+    models the second thread only spins, and the in-process model tests cost 1.7 times the CPU
+    with it (BENCHMARKS.md). Set where this process has torch already (each test checks again:
+    a test module may import it late); a process without torch never imports it here."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    from evalsvc.engines.embedded.server import engine_threads
+
+    if torch.get_num_threads() != engine_threads():
+        torch.set_num_threads(engine_threads())
 
 
 @pytest.fixture(scope="session")

@@ -30,16 +30,6 @@ SHIPPED = ["hybrid-mamba2-tiny", "hybrid-gdn-tiny"]
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: one intra-op thread is several times faster than two, most of all
-    on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def small_model(family: str, seed: int = 0) -> HybridLM:
     cfg = HybridConfig(family=family, vocab_size=61, hidden_size=32, intermediate_size=48,
                        layer_types=["recurrent", "attention", "recurrent", "attention"],
@@ -386,3 +376,12 @@ def test_shipped_model_predictions_are_peaked(shipped, demo_prompts):
     entropy = -(logp.exp() * logp).sum(-1)
     mean_entropy = float(entropy[mask].mean())
     assert mean_entropy < 0.5 * math.log(model.cfg.vocab_size), mean_entropy
+
+
+def test_the_model_runs_here_with_the_torch_threads_of_an_engine_process():
+    """The in-process model tests compute as an engine process does: with its torch threads
+    (``EVALSVC_ENGINE_THREADS``, default 1; tests/conftest.py sets them), whatever torch's
+    default for this machine's cores."""
+    from evalsvc.engines.embedded.server import engine_threads
+
+    assert torch.get_num_threads() == engine_threads()

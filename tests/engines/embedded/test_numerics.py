@@ -32,14 +32,6 @@ GPU_FLOAT32 = Numerics(gpu_kernels=True)  # the GPU kernels' algebra, without bf
 BF16 = Numerics.from_args("bfloat16", "float32")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_numerics_from_the_flags():
     assert Numerics.from_args("auto", "float32") == Numerics()
     assert not Numerics.from_args("float32", "bfloat16").gpu_kernels
