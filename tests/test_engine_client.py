@@ -15,7 +15,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from benchmarks.client import response_body
-from evalsvc.engines.client import EngineClient, EngineTimeout, ScenarioError, work_seconds
+from evalsvc.engines.client import (
+    EngineClient,
+    EngineTimeout,
+    ScenarioError,
+    run_async,
+    work_seconds,
+)
 from evalsvc.matrix import DEFAULT_CONCURRENCY, WorkloadSpec, load_matrix
 from evalsvc.workloads import load_prompts, workload_version
 
@@ -171,3 +177,34 @@ def test_clients_share_one_tls_context_that_verifies_as_httpx_default(monkeypatc
     ctx, default = tls.tls_context(), create()
     assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
     assert ctx.cert_store_stats()["x509_ca"] == default.cert_store_stats()["x509_ca"] > 0
+
+
+def test_run_async_hands_back_the_result_without_formatting_it():
+    """A batch's completions go back to the caller unformatted, from this (main) thread and from
+    a thread that already runs a loop: Python 3.11's ``signal.signal``, called by ``asyncio.run``
+    at its end, formats the task it held, so a task's result would be repr'd at every batch."""
+    formatted = []
+
+    class Big:
+        def __repr__(self) -> str:
+            formatted.append(self)
+            return "Big()"
+
+    result = [Big(), Big()]
+
+    async def batch():
+        return result
+
+    async def inside_a_loop():
+        return run_async(batch())
+
+    assert threading.current_thread() is threading.main_thread()
+    assert run_async(batch()) is result
+    assert run_async(inside_a_loop()) is result
+    assert formatted == []
+
+    async def fails():
+        raise ScenarioError("no answer")
+
+    with pytest.raises(ScenarioError, match="no answer"):
+        run_async(fails())
