@@ -29,6 +29,7 @@ from rich.console import Console
 
 from evalsvc import harness
 from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess
 from evalsvc.evaluate import evaluate, prepare
 from evalsvc.harness import RunResult, run_config
@@ -367,30 +368,27 @@ def test_evaluation_goes_on_after_an_engine_dies(tmp_path):
 
 # ---- 4b. engines that hang: the run's deadline ----------------------------------------------------
 
-def stop_when_busy(proc: EngineProcess, stopped: threading.Event) -> None:
-    """SIGSTOPs the engine's process group as soon as it runs a request of the run (once it is
-    up: not its warm-up or health checks), that is mid-scenario."""
-    import httpx
+def stop_at_first_batch(monkeypatch: pytest.MonkeyPatch, stopped: threading.Event):
+    """An ``on_engine`` hook that SIGSTOPs the engine's process group as the run sends it its first
+    batch of ``/generate`` requests (once it is up, not its warm-up or health checks): mid-scenario,
+    with the requests in flight and never answered. Stopped before the batch goes out, not once
+    the engine reports a request running: a batch of three 100-token prompts and 8 new tokens ends
+    in a tenth of a second, and a watcher polling ``/metrics`` could miss it."""
+    engine: list[EngineProcess] = []
+    original = EngineClient.generate_many
 
-    def watch() -> None:
-        while proc.alive() and proc.startup_seconds is None:
-            time.sleep(0.02)
-        with httpx.Client(base_url=proc.base_url, timeout=5) as client:
-            while proc.alive():
-                with contextlib.suppress(httpx.HTTPError):
-                    text = client.get("/metrics").text
-                    if any(line.startswith("sglang:num_running_reqs") and float(line.split()[-1]) > 0
-                           for line in text.splitlines()):
-                        os.killpg(proc.proc.pid, signal.SIGSTOP)
-                        stopped.set()
-                        return
-                time.sleep(0.02)
+    def generate_many(self: EngineClient, payloads: list[dict]):
+        if engine and self.base_url == engine[0].base_url and not stopped.is_set():
+            os.killpg(engine[0].proc.pid, signal.SIGSTOP)
+            stopped.set()
+        return original(self, payloads)
 
-    threading.Thread(target=watch, daemon=True).start()
+    monkeypatch.setattr(EngineClient, "generate_many", generate_many)
+    return engine.append
 
 
 @pytest.mark.slow
-def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path,
+def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path, monkeypatch,
                                                                       no_engine_left_behind):
     """A SIGSTOPped engine answers nothing: the run ends ``error`` at its deadline (not after the
     per-request timeout), says the engine did not answer and was stopped, and its group is killed.
@@ -401,13 +399,13 @@ def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path,
         **EMBEDDED, "run_timeout_s": deadline, "scenarios": ["cold", "prefill_hit"],
         "workload": {"num_prompts": 3, "max_new_tokens": 64}, "include": [{"strategy": "auto"}]})
     stopped, pids = threading.Event(), []
-    control = harness.RunControl(
-        on_engine=lambda proc: (pids.append(proc.proc.pid), stop_when_busy(proc, stopped)))
+    stop = stop_at_first_batch(monkeypatch, stopped)
+    control = harness.RunControl(on_engine=lambda proc: (pids.append(proc.proc.pid), stop(proc)))
     t0 = time.monotonic()
     r = run_config(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control)
     elapsed = time.monotonic() - t0
-    assert stopped.is_set(), r.reason  # it was stopped while it ran a request
+    assert stopped.is_set(), r.reason  # it was stopped with the scenario's requests sent
     assert r.verdict == "error"
     assert elapsed < deadline + 20
     assert r.reason.startswith("cold: ") and f"the run's deadline of {deadline} s" in r.reason
@@ -443,15 +441,15 @@ def test_engine_stopped_at_start_is_an_error_at_the_deadline(tmp_path, no_engine
 
 
 @pytest.mark.slow
-def test_request_timeouts_are_sized_to_the_work(tmp_path, no_engine_left_behind):
+def test_request_timeouts_are_sized_to_the_work(tmp_path, monkeypatch, no_engine_left_behind):
     """A stopped engine under the default deadline: the request it does not answer times out after
     the time its work allows (far below the old 600 s), and the run says so."""
     from evalsvc.engines.client import work_seconds
 
     matrix, configs = load(tmp_path / "m.yaml", {**EMBEDDED, "include": [{"strategy": "auto"}]})
     frozen, pids = threading.Event(), []
-    control = harness.RunControl(
-        on_engine=lambda proc: (pids.append(proc.proc.pid), stop_when_busy(proc, frozen)))
+    stop = stop_at_first_batch(monkeypatch, frozen)
+    control = harness.RunControl(on_engine=lambda proc: (pids.append(proc.proc.pid), stop(proc)))
     r = run_config(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control, run_timeout_s=1800)
     allowed = work_seconds([{"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}
