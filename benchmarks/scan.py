@@ -8,7 +8,8 @@ a third shorter), both families (Mamba2 and gated deltanet) at the shipped model
 Timed in turn within each repeat, so that the machine's load falls on both alike:
 
 * ``scan``: ``evalsvc.engines.embedded.model.RecurrentMixer.scan``: each input split into its
-  per-token views once, shaped to broadcast, a ragged mask per token made once;
+  per-token views once, shaped to broadcast, a ragged mask per token made once and applied only
+  past the shortest segment, Mamba2's skip term ``D x`` added once after the loop;
 * ``loop``: ``reference_scan`` below, the loop before it (each input sliced at each token, the
   ragged mask made at each token), kept as the oracle ``tests/engines/embedded/test_scan.py`` pins
   ``scan`` against.

@@ -331,31 +331,32 @@ class RecurrentMixer(nn.Module):
         """The recurrent form. x: [B, L, D] (segments right-padded), lengths: tokens per segment,
         states: [B, ...]."""
         b, big_l, _ = x.shape
-        pre = self.pre_conv(x)  # dict of per-token tensors, conv input under "conv_in"
+        pre = self.pre_conv(x)
         full = self._conv(pre, conv_state)
         want: dict[int, list[int]] = {}
         for seg, k in capture:
             want.setdefault(k, []).append(seg)
         captured: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         width = self.conv.kernel - 1
-        ragged = any(n != big_l for n in lengths)
         h = ssm_state.float()
+        per_token, after = self.scan_inputs(pre)
         # each input as its L per-token views, taken in one call each: the same data, strides and
         # arithmetic as slicing token t in the loop, without a dispatch per input and token
-        names, per_token = zip(*((k, v.unbind(1)) for k, v in self.step_inputs(pre).items()),
-                               strict=True)
-        if ragged:  # segment b still running at token t: valid[t][b]
+        per_token = [v.unbind(1) for v in per_token]
+        # every segment runs up to the shortest; past it, segment b runs at token t if valid[t][b]
+        shortest = min(lengths)
+        if shortest < big_l:
             valid = (torch.tensor(lengths)[None, :] > torch.arange(big_l)[:, None])
             valid = valid.view(big_l, b, *([1] * (h.dim() - 1))).unbind(0)
         ys = []
         for t in range(big_l):
-            h_new, y = self.step(h, dict(zip(names, (v[t] for v in per_token), strict=True)))
-            h = torch.where(valid[t], h_new, h) if ragged else h_new
+            h_new, y = self.step(h, *(v[t] for v in per_token))
+            h = h_new if t < shortest else torch.where(valid[t], h_new, h)
             ys.append(y)
             for seg in want.get(t + 1, ()):
                 captured[(seg, t + 1)] = (_conv_state_after(full, seg, t + 1, width),
                                           h[seg].to(ssm_state.dtype, copy=True))
-        y = torch.stack(ys, dim=1).to(x.dtype)
+        y = self.finish(torch.stack(ys, dim=1), *after).to(x.dtype)
         conv_final = torch.stack([full[i, :, n: n + width] for i, n in enumerate(lengths)])
         return ScanResult(self.post(y, pre), conv_final.contiguous(), h.to(ssm_state.dtype),
                           captured)
@@ -400,11 +401,20 @@ class RecurrentMixer(nn.Module):
     def pre_conv(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def step_inputs(self, pre: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def scan_inputs(self, pre: dict[str, torch.Tensor]
+                    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """What ``step`` takes per token, [B, L, ...] each and shaped to broadcast against the
+        state, and what ``finish`` takes once, [B, L, ...]."""
         raise NotImplementedError
 
-    def step(self, h: torch.Tensor, inp: dict[str, torch.Tensor]):
+    def step(self, h: torch.Tensor, *inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token: (the state after it, its output before ``finish``)."""
         raise NotImplementedError
+
+    def finish(self, y: torch.Tensor, *inp: torch.Tensor) -> torch.Tensor:
+        """The outputs, float32 [B, L, ...], from the steps' [B, L, ...]: what does not depend on
+        the state, added once rather than at each token."""
+        return y
 
     def post(self, y: torch.Tensor, pre: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -435,19 +445,21 @@ class Mamba2Mixer(RecurrentMixer):
         xs, bm, cm = pre["conv_out"].float().split([self.inner, self.n, self.n], dim=-1)
         return xs.unflatten(-1, (self.h, self.p)), bm, cm
 
-    def step_inputs(self, pre):
-        """Per token, shaped to broadcast against the state [B, H, P, N] (views: no copy)."""
+    def scan_inputs(self, pre):
+        """Per token: the decay, dt x, B and C, shaped to broadcast against the state
+        [B, H, P, N] (views: no copy); once: the skip D x [B, L, H, P]."""
         xs, bm, cm = self._split(pre)
         dt = pre["dt"]
         da = torch.exp(dt * -torch.exp(self.A_log))
-        return {"Dx": self.D[:, None] * xs, "dtx": (xs * dt[..., None])[..., None],
-                "B": bm[:, :, None, None, :], "C": cm[:, :, None, None, :],
-                "dA": da[..., None, None]}
+        return ((da[..., None, None], (xs * dt[..., None])[..., None], bm[:, :, None, None, :],
+                 cm[:, :, None, None, :]), (self.D[:, None] * xs,))
 
-    def step(self, h, inp):
-        h = h * inp["dA"] + inp["dtx"] * inp["B"]
-        y = (h * inp["C"]).sum(-1) + inp["Dx"]
-        return h, y
+    def step(self, h, da, dtx, bm, cm):
+        h = h * da + dtx * bm
+        return h, (h * cm).sum(-1)
+
+    def finish(self, y, dx):
+        return y + dx
 
     def chunk_scan(self, pre, h):
         xs, bm, cm = self._split(pre)
@@ -531,20 +543,19 @@ class GatedDeltaNetMixer(RecurrentMixer):
         q, k, v = (t.unflatten(-1, (self.h, self.dk)) for t in (q, k, v))
         return _l2norm(q) / math.sqrt(self.dk), _l2norm(k), v
 
-    def step_inputs(self, pre):
-        """Per token, shaped to broadcast against the state [B, H, dk, dv] (views: no copy)."""
+    def scan_inputs(self, pre):
+        """Per token: the decay, k, v, beta and q, shaped to broadcast against the state
+        [B, H, dk, dv] (views: no copy)."""
         q, k, v = self._qkv(pre)
-        return {"q": q[..., None], "k": k[..., None], "v": v, "beta": pre["beta"][..., None],
-                "decay": torch.exp(pre["g"])[..., None, None]}
+        decay = torch.exp(pre["g"])[..., None, None]
+        return (decay, k[..., None], v, pre["beta"][..., None], q[..., None]), ()
 
-    def step(self, s, inp):
-        s = s * inp["decay"]
-        k = inp["k"]  # [B, H, dk, 1]
+    def step(self, s, decay, k, v, beta, q):
+        s = s * decay
         mem = (s * k).sum(2)  # [B, H, dv]
-        delta = (inp["v"] - mem) * inp["beta"]
+        delta = (v - mem) * beta
         s = s + k * delta[:, :, None, :]
-        y = (s * inp["q"]).sum(2)
-        return s, y
+        return s, (s * q).sum(2)
 
     def chunk_scan(self, pre, h):
         q, k, v = self._qkv(pre)

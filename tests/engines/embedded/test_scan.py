@@ -14,7 +14,7 @@ from benchmarks.scan import make_case, reference_scan
 
 @pytest.mark.parametrize("family", ["mamba2", "gated_deltanet"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lengths", [[1], [7, 7], [37, 5, 1, 20], [64, 63]])
+@pytest.mark.parametrize("lengths", [[1], [7, 7], [37, 5, 1, 20], [64, 63], [150, 64, 129, 3]])
 def test_the_scan_is_the_per_token_loop_bit_for_bit(family, dtype, lengths):
     mixer, case = make_case(family, lengths, dtype, seed=sum(lengths) + len(lengths))
     with torch.no_grad():
