@@ -9,7 +9,10 @@ engine, an ``evalsvc serve``, a pytest worker, an SGLang env's installer ...) an
 summed, beside the machine's busy and idle time from ``/proc/stat`` over the same span. A process
 is counted up to its last sample, so one living under half a second counts nothing and each loses
 at most half a second: the attributed total is a lower bound, and the gap to the machine's busy
-time (which also holds whatever else ran on it) is printed. The sampler costs about 1 % of a core.
+time (which also holds whatever else ran on it) is printed. It also counts the processes that
+started embedded engines, by kind, and the engines each kind started (``engine_starters``): what a
+fork server per such process would save is ``benchmarks/engine_start.py``'s saving per engine for
+every engine but each starter's first. The sampler costs about 1 % of a core.
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ def kind_of(cmd: str) -> str:
     return "other: " + (cmd.split(" ", 1)[0].rsplit("/", 1)[-1] or "?")
 
 
-def sample(root: int, seen: dict[str, dict], ours: set[str]) -> None:
-    """One pass over /proc: new processes under ``root`` join ``seen``; known ones update."""
+def sample(root: int, seen: dict[str, dict], ours: dict[str, str]) -> None:
+    """One pass over /proc: new processes under ``root`` join ``seen`` (with the key of their
+    parent); known ones update. ``ours``: pid -> key of the processes under ``root``."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -90,8 +94,8 @@ def sample(root: int, seen: dict[str, dict], ours: set[str]) -> None:
         if key not in seen:
             if pid != str(root) and ppid not in ours:
                 continue
-            seen[key] = {"pid": int(pid), "cpu": cpu, "cmd": ""}
-            ours.add(pid)
+            seen[key] = {"pid": int(pid), "cpu": cpu, "cmd": "", "parent": ours.get(ppid)}
+            ours[pid] = key
         entry = seen[key]
         entry["cpu"] = max(entry["cpu"], cpu)
         if cmd := cmdline(pid):  # the last one seen: a forked child's comes after its exec
@@ -109,7 +113,7 @@ def main() -> None:
     started = time.monotonic()
     proc = subprocess.Popen(args.command, cwd=ROOT)
     seen: dict[str, dict] = {}
-    ours: set[str] = {str(proc.pid)}
+    ours: dict[str, str] = {str(proc.pid): ""}
     try:
         while proc.poll() is None:
             sample(proc.pid, seen, ours)
@@ -128,6 +132,15 @@ def main() -> None:
         k["processes"] += 1
     attributed = sum(k["cpu_s"] for k in kinds.values())
     engines = sorted(e["cpu"] for e in seen.values() if kind_of(e["cmd"]) == "embedded engine")
+    starters: dict[str, dict] = {}  # the processes that started engines, by kind
+    by_parent: dict[str, int] = {}
+    for entry in seen.values():
+        if kind_of(entry["cmd"]) == "embedded engine" and entry["parent"] in seen:
+            by_parent[entry["parent"]] = by_parent.get(entry["parent"], 0) + 1
+    for parent, count in by_parent.items():
+        k = starters.setdefault(kind_of(seen[parent]["cmd"]), {"processes": 0, "engines": 0})
+        k["processes"] += 1
+        k["engines"] += count
     result = {
         "command": args.command, "exit_code": proc.returncode, "wall_s": round(wall, 1),
         "machine_busy_s": round(busy, 1), "machine_idle_s": round(idle, 1),
@@ -135,6 +148,9 @@ def main() -> None:
         "kinds": {name: {"cpu_s": round(k["cpu_s"], 1), "processes": k["processes"]}
                   for name, k in sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])},
         "embedded_engine_cpu_s_median": engines[len(engines) // 2] if engines else None,
+        # who started the engines: a fork server per such process would start all but its
+        # first engine by a fork (benchmarks/engine_start.py measures what that saves each)
+        "engine_starters": dict(sorted(starters.items(), key=lambda kv: -kv[1]["engines"])),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -150,6 +166,10 @@ def main() -> None:
     table.add_row("machine busy / idle", f"{busy:,.1f} / {idle:,.1f}",
                   f"{busy / (busy + idle):.1%} busy", "")
     Console().print(table)
+    if starters:
+        print("engines started by: " + "; ".join(
+            f"{name}: {k['engines']} from {k['processes']} processes"
+            for name, k in result["engine_starters"].items()))
     print(f"written to {args.out}")
     sys.exit(proc.returncode)
 
