@@ -36,15 +36,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.suite_cpu import read_stat  # noqa: E402
 from evalsvc.engines.launch import embedded_command, free_port  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 PRELOAD = ("torch", "numpy", "fastapi", "uvicorn", "pydantic", "safetensors.torch")
-
-
-def cpu_of(pid: int) -> float:
-    rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / TICK
 
 
 def wait_healthy(pid: int, port: int, timeout: float = 120.0) -> float:
@@ -54,7 +49,7 @@ def wait_healthy(pid: int, port: int, timeout: float = 120.0) -> float:
         while time.monotonic() < deadline:
             try:
                 if client.get(f"http://127.0.0.1:{port}/health_generate").status_code == 200:
-                    return cpu_of(pid)
+                    return read_stat(str(pid))[1]
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)

@@ -10,9 +10,9 @@ summed, beside the machine's busy and idle time from ``/proc/stat`` over the sam
 is counted up to its last sample, so one living under half a second counts nothing and each loses
 at most half a second: the attributed total is a lower bound, and the gap to the machine's busy
 time (which also holds whatever else ran on it) is printed. It also counts the processes that
-started embedded engines, by kind, and the engines each kind started (``engine_starters``): what a
-fork server per such process would save is ``benchmarks/engine_start.py``'s saving per engine for
-every engine but each starter's first. The sampler costs about 1 % of a core.
+started embedded engines, by kind, and the engines each kind started (``engine_starters``): a fork
+server per such process would save ``benchmarks/engine_start.py``'s saving per engine on each
+engine, and cost one ``imports only`` per starter. The sampler costs about 1 % of a core.
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def main() -> None:
         "kinds": {name: {"cpu_s": round(k["cpu_s"], 1), "processes": k["processes"]}
                   for name, k in sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])},
         "embedded_engine_cpu_s_median": engines[len(engines) // 2] if engines else None,
-        # who started the engines: a fork server per such process would start all but its
-        # first engine by a fork (benchmarks/engine_start.py measures what that saves each)
+        # who started the engines: the processes a fork server per starter would have to
+        # preload (benchmarks/engine_start.py measures what it costs and saves)
         "engine_starters": dict(sorted(starters.items(), key=lambda kv: -kv[1]["engines"])),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
