@@ -69,6 +69,12 @@ ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
 # engine switch (``--device cpu`` serves through it); the embedded engine's torch threads.
 ENGINE_ENV = {"embedded": frozenset({"EVALSVC_ENGINE_THREADS"}),
               "sglang": frozenset({"SGLANG_USE_CPU_ENGINE"})}
+# Real SGLang on a CPU (``device: cpu``): which ops serve its gated-deltanet layers (``cpu_ops``),
+# given to the engine as this variable (the SGLang CPU environment's sitecustomize reads it:
+# evalsvc.builds.sglang_cpu). ``reference``, the default, runs on any x86-64 CPU with SGLang's
+# native torch paths and torch attention; ``kernel`` is SGLang's CPU kernel (AVX-512-BF16).
+CPU_OPS_VARIABLE = "EVALSVC_CPU_OPS"
+CPU_OPS_ATTENTION = {"reference": "torch_native"}
 FLAG_VALUES = {"load_format": {"auto", "safetensors", "pt", "dummy"}}
 
 
@@ -266,6 +272,8 @@ class MatrixFile(Strict):
     thresholds: Thresholds = Field(default_factory=Thresholds)
     # each run's deadline in seconds, engine start-up included (default: EVALSVC_RUN_TIMEOUT_S)
     run_timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
+    # real SGLang on a CPU: the ops of its gated-deltanet layers (CPU_OPS_VARIABLE); only there
+    cpu_ops: Literal["reference", "kernel"] | None = None
 
     @field_validator("name")
     @classmethod
@@ -318,12 +326,39 @@ class MatrixFile(Strict):
             raise ValueError("include: the matrix has no configs (give axes or include entries)")
         return self
 
+    @model_validator(mode="after")
+    def _cpu_ops(self) -> MatrixFile:
+        """Real SGLang on a CPU gets its ops choice (``reference`` unless the matrix says
+        ``kernel``) as an engine variable, which puts it in every config's fingerprint, and the
+        reference ops get torch attention (unless the matrix names a backend)."""
+        on_cpu = self.engine == "sglang" and self.extra_args.get("device") == "cpu"
+        given = self.engine_env.get(CPU_OPS_VARIABLE)
+        if not on_cpu:
+            if self.cpu_ops is not None:
+                raise ValueError("cpu_ops: only for real SGLang on a CPU (engine: sglang with "
+                                 "extra_args.device: cpu)")
+            if given is not None:
+                raise ValueError(f"engine_env.{CPU_OPS_VARIABLE}: only for real SGLang on a CPU")
+            return self
+        ops = self.cpu_ops or given or "reference"
+        if given is not None and given != ops:
+            raise ValueError(f"engine_env.{CPU_OPS_VARIABLE}: {shown(given)} contradicts "
+                             f"cpu_ops: {ops} (set cpu_ops alone)")
+        if ops not in ("reference", "kernel"):
+            raise ValueError(f"engine_env.{CPU_OPS_VARIABLE}: {shown(ops)} is not reference or "
+                             "kernel")
+        self.cpu_ops = ops
+        self.engine_env[CPU_OPS_VARIABLE] = ops
+        if ops in CPU_OPS_ATTENTION:
+            self.extra_args.setdefault("attention_backend", CPU_OPS_ATTENTION[ops])
+        return self
+
     def check_engine_flags(self, engine: str | None = None) -> None:
         """``extra_args`` and ``engine_env`` against the allowlists of ``engine`` (default: the
         matrix's own)."""
         engine = engine or self.engine
         check_extra_args(self.extra_args, engine)
-        allowed = ENGINE_ENV[engine]
+        allowed = ENGINE_ENV[engine] | ({CPU_OPS_VARIABLE} if self.cpu_ops else set())
         for name, value in self.engine_env.items():
             where = f"engine_env.{name[:100]}"
             if name not in allowed:
