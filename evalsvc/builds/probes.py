@@ -63,6 +63,13 @@ class Fix:
 
 FORWARD_STREAM_MAMBA_OPS = "pr24954-forward-stream-mamba-ops"
 CLEAR_DEFERRED_MAMBA_METADATA = "pr37165-clear-deferred-mamba-metadata"
+MIXED_CHUNK_TRACKING = "pr39342-mixed-chunk-mamba-tracking"
+PREFILL_GRAPH_TRACK_TAIL = "pr34184-prefill-graph-track-tail"
+DECODE_GRAPH_TRACK_PREFIX = "pr32555-decode-graph-track-prefix"
+MAMBA2_TRACK_GRID = "pr37836-mamba2-track-global-grid"
+PREFILL_GRAPH_SPEC_TRACKING = "pr32606-prefill-graph-spec-tracking"
+OVERLAP_TRACK_BOUNDARY = "pr29792-overlap-track-boundary"
+ABORTED_LOAD_BACK = "pr30986-aborted-load-back-slot"
 
 FIXES: dict[str, Fix] = {
     FORWARD_STREAM_MAMBA_OPS: Fix(
@@ -74,6 +81,41 @@ FIXES: dict[str, Fix] = {
         CLEAR_DEFERRED_MAMBA_METADATA,
         37165,
         "Clear deferred Mamba COW/clear indices in ScheduleBatch.prepare_for_decode",
+    ),
+    MIXED_CHUNK_TRACKING: Fix(
+        MIXED_CHUNK_TRACKING,
+        39342,
+        "Mixed-chunk batches keep the prefill rows' Mamba tracking across merge_batch",
+    ),
+    PREFILL_GRAPH_TRACK_TAIL: Fix(
+        PREFILL_GRAPH_TRACK_TAIL,
+        34184,
+        "Prefill CUDA graph clears the stale tail rows of its Mamba track buffers",
+    ),
+    DECODE_GRAPH_TRACK_PREFIX: Fix(
+        DECODE_GRAPH_TRACK_PREFIX,
+        32555,
+        "Decode CUDA graph hands out only the refreshed [:bs] prefix of the track buffer",
+    ),
+    MAMBA2_TRACK_GRID: Fix(
+        MAMBA2_TRACK_GRID,
+        37836,
+        "Mamba2 prefill tracking indexes the batch-wide chunk grid at each request's start",
+    ),
+    PREFILL_GRAPH_SPEC_TRACKING: Fix(
+        PREFILL_GRAPH_SPEC_TRACKING,
+        32606,
+        "Prefill CUDA graph registers Mamba tracking buffers under speculative decoding",
+    ),
+    OVERLAP_TRACK_BOUNDARY: Fix(
+        OVERLAP_TRACK_BOUNDARY,
+        29792,
+        "Decode track-boundary bookkeeping corrects kv_committed_len for the overlap lookahead",
+    ),
+    ABORTED_LOAD_BACK: Fix(
+        ABORTED_LOAD_BACK,
+        30986,
+        "An aborted host-tier Mamba load-back frees the slot it allocated and unbinds the request",
     ),
 }
 
@@ -561,9 +603,308 @@ def _probe_clear_metadata(tree: SourceTree) -> ProbeResult:
     return ProbeResult(fix, Status.PRESENT if info.complete else Status.ABSENT, evidence)
 
 
+# --- the 2026 tracking bug classes ---------------------------------------------------------------
+
+TRACK_FIELDS = ("mamba_track_indices", "mamba_track_mask")
+HYBRID_BACKEND = "srt/layers/attention/hybrid_linear_attn_backend.py"
+RESULT_PROCESSOR = "srt/managers/scheduler_components/batch_result_processor.py"
+
+
+def _mentions(node: ast.AST, name: str) -> bool:
+    """``name`` appears in ``node`` as a string constant, an attribute or a variable."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Constant) and sub.value == name:
+            return True
+        if isinstance(sub, ast.Attribute) and sub.attr == name:
+            return True
+        if isinstance(sub, ast.Name) and sub.id == name:
+            return True
+    return False
+
+
+def _is_tail_slice(node: ast.AST) -> bool:
+    """``<x>[a:b]`` with both bounds: the padded tail ``[bs:r]`` of a static buffer."""
+    return (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)
+            and node.slice.lower is not None and node.slice.upper is not None)
+
+
+def _graph_runner_files(tree: SourceTree) -> list[str]:
+    """Prefill CUDA-graph runner modules: ``model_executor/runner/prefill_cuda_graph_runner.py``
+    (0.5.14 on) or ``model_executor/piecewise_cuda_graph_runner.py`` (0.5.13), found by name."""
+    out = []
+    for rel in tree.files_under("srt/model_executor"):
+        name = rel.rsplit("/", 1)[-1]
+        if "graph" in name and ("prefill" in name or "piecewise" in name):
+            out.append(rel)
+    return out
+
+
+def _backend_files(tree: SourceTree) -> list[str]:
+    if tree.module(HYBRID_BACKEND) is not None:
+        return [HYBRID_BACKEND]
+    return [rel for rel in tree.files_under("srt/layers/attention") if "linear" in rel or "mamba" in rel]
+
+
+def _probe_mixed_chunk_tracking(tree: SourceTree) -> ProbeResult:
+    fix = MIXED_CHUNK_TRACKING
+    label = tree.label(SCHEDULE_BATCH)
+    batch = find_schedule_batch(tree.module(SCHEDULE_BATCH))
+    methods = _methods(batch) if batch is not None else {}
+    mix, merge = methods.get("mix_with_running"), methods.get("merge_batch")
+    if batch is None or mix is None or merge is None or not _declares(batch, TRACK_FIELDS[0]):
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{label}: no ScheduleBatch with mix_with_running, merge_batch and mamba_track_indices "
+            "(no mixed-chunk merge of Mamba-tracked batches)"])
+    where = f"{label}: ScheduleBatch"
+    dropped = [f for f in TRACK_FIELDS
+               if any(_is_self_attr(t, f) and _is_none(v) for t, v, _ in _assignments(merge))]
+    evidence = [f"{where}.merge_batch sets {', '.join(f'self.{f} = None' for f in dropped)}" if dropped
+                else f"{where}.merge_batch keeps {', '.join(TRACK_FIELDS)}"]
+    at = next((i for i, stmt in enumerate(mix.body) if _calls(stmt, "merge_batch")), None)
+    if at is None:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            *evidence, f"{where}.mix_with_running does not call merge_batch"])
+    after = ast.Module(body=mix.body[at + 1:], type_ignores=[])
+    restored = [f for f in TRACK_FIELDS
+                if any(_is_self_attr(t, f) and not _is_none(v) for t, v, _ in _assignments(after))]
+    for name in TRACK_FIELDS:
+        if name in restored:
+            evidence.append(f"[found] {where}.mix_with_running sets self.{name} again after merge_batch "
+                            "(the prefill rows' tracking, decode tails untracked)")
+        elif name in dropped:
+            evidence.append(f"[missing] {where}.mix_with_running: self.{name} restored after merge_batch "
+                            "(the prefill rows' tracking is dropped, their slot donated unwritten)")
+    ok = not dropped or all(f in restored for f in TRACK_FIELDS)
+    return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, evidence)
+
+
+def _sentinel_tail_functions(tree: SourceTree, files: Sequence[str]
+                             ) -> list[tuple[str, str, FunctionNode]]:
+    """Functions that clear the padded tail of static buffers (``<buf>[bs:r].zero_()``)."""
+    out = []
+    for rel in files:
+        module = tree.module(rel)
+        if module is None or not _mentions(module, "mamba_track_mask"):
+            continue
+        for qualname, func, _ in _functions(module):
+            if any(isinstance(c.func, ast.Attribute) and c.func.attr in ("zero_", "fill_")
+                   and _is_tail_slice(c.func.value) for c in ast.walk(func) if isinstance(c, ast.Call)):
+                out.append((rel, qualname, func))
+    return out
+
+
+def _tail_cleared_names(func: FunctionNode) -> set[str]:
+    """What the padded-tail clears of ``func`` name: the receiver of each ``<buf>[a:b].zero_()`` (or
+    ``fill_``) and the iterable of each loop around it (``for name in ("mamba_track_mask", ...)``)."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST, loops: list[ast.expr]) -> None:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("zero_", "fill_") and _is_tail_slice(node.func.value):
+            for scope in (node.func.value.value, *loops):
+                for sub in ast.walk(scope):
+                    if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                        names.add(sub.value)
+                    elif isinstance(sub, ast.Attribute):
+                        names.add(sub.attr)
+        inner = [*loops, node.iter] if isinstance(node, ast.For) else loops
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(func, [])
+    return names
+
+
+def _probe_prefill_graph_track_tail(tree: SourceTree) -> ProbeResult:
+    fix = PREFILL_GRAPH_TRACK_TAIL
+    files = _graph_runner_files(tree)
+    found = _sentinel_tail_functions(tree, files)
+    if not found:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{', '.join(tree.label(f) for f in files) or tree.label('srt/model_executor')}: no prefill "
+            "CUDA-graph runner with Mamba tracking that clears a padded tail of its static buffers "
+            "(<buf>[bs:r].zero_())"])
+    evidence, ok = [], True
+    for rel, qualname, func in found:
+        cleared = _tail_cleared_names(func)
+        covers = all(name in cleared for name in TRACK_FIELDS)
+        ok = ok and covers
+        evidence.append(f"[{'found' if covers else 'missing'}] {tree.label(rel)}: {qualname} clears the "
+                        f"padded tail of {' and '.join(TRACK_FIELDS)}" if covers else
+                        f"[missing] {tree.label(rel)}: {qualname} clears the padded tail of its static "
+                        f"buffers but not {' and '.join(TRACK_FIELDS)} (stale rows keep live slots)")
+    return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, evidence)
+
+
+def _probe_decode_graph_track_prefix(tree: SourceTree) -> ProbeResult:
+    fix = DECODE_GRAPH_TRACK_PREFIX
+    attr = "mamba_track_indices_buf"
+    allocated, reads = [], []
+    for rel in _backend_files(tree):
+        module = tree.module(rel)
+        if module is None:
+            continue
+        for qualname, func, _ in _functions(module):
+            parents = {child: node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
+            for target, value, _ in _assignments(func):
+                if _is_self_attr(target, attr) and value is not None and not _is_none(value):
+                    allocated.append(f"{tree.label(rel)}: {qualname}")
+            for node in ast.walk(func):
+                if (isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.ctx, ast.Load)
+                        and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    parent = parents.get(node)
+                    sliced = isinstance(parent, ast.Subscript) and parent.value is node \
+                        and isinstance(parent.slice, ast.Slice) and parent.slice.upper is not None
+                    shown = _short(parent if sliced else node)
+                    reads.append((sliced, f"{tree.label(rel)}: {qualname} reads {shown} "
+                                          f"(line {node.lineno})"))
+    if not allocated or not reads:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{tree.label(HYBRID_BACKEND)}: no static decode-graph track buffer self.{attr}"])
+    evidence = [f"self.{attr} allocated in {allocated[0]}"]
+    evidence += [f"[{'found' if sliced else 'missing'}] {text}"
+                 + ("" if sliced else ": the whole max_bs buffer, whose tail is never refreshed")
+                 for sliced, text in reads]
+    ok = all(sliced for sliced, _ in reads)
+    return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, evidence)
+
+
+def _is_mamba2_test(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance"
+            and len(test.args) == 2 and isinstance(test.args[1], ast.Name)
+            and test.args[1].id == "Mamba2AttnBackend")
+
+
+def _probe_mamba2_track_grid(tree: SourceTree) -> ProbeResult:
+    fix = MAMBA2_TRACK_GRID
+    branches = []
+    for rel in _backend_files(tree):
+        module = tree.module(rel)
+        if module is None:
+            continue
+        for qualname, func, _ in _functions(module):
+            if not func.name.startswith("_init_track_ssm_indices"):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.If) and _is_mamba2_test(node.test):
+                    branches.append((rel, qualname, node))
+    if not branches:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{tree.label(HYBRID_BACKEND)}: no _init_track_ssm_indices with a Mamba2 branch "
+            "(no extra-buffer tracking of Mamba2 prefill states)"])
+    evidence, ok = [], True
+    for rel, qualname, node in branches:
+        body = ast.Module(body=node.body, type_ignores=[])
+        global_grid = bool(_calls(body, "cumsum")) or any(
+            "start_loc" in (n.id if isinstance(n, ast.Name) else n.attr)
+            for n in ast.walk(body) if isinstance(n, ast.Name | ast.Attribute))
+        ok = ok and global_grid
+        where = f"{tree.label(rel)}: {qualname} `if {_short(node.test)}:` (line {node.lineno})"
+        evidence.append(f"[found] {where} places each request at its start in the flattened batch "
+                        "(query_start_loc / cumsum of extend lengths)" if global_grid else
+                        f"[missing] {where} indexes h per request ({_short(node.body[0])}), not on the "
+                        "batch-wide chunk grid")
+    return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, evidence)
+
+
+def _probe_prefill_graph_spec_tracking(tree: SourceTree) -> ProbeResult:
+    fix = PREFILL_GRAPH_SPEC_TRACKING
+    gates = []
+    for rel in _graph_runner_files(tree):
+        module = tree.module(rel)
+        if module is None:
+            continue
+        for qualname, func, owner in _functions(module):
+            if owner is not None and func.name.lstrip("_") == "is_mamba_track_enabled":
+                gates.append((rel, qualname, func))
+    if not gates:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{tree.label('srt/model_executor')}: no prefill CUDA-graph runner with an "
+            "is_mamba_track_enabled gate"])
+    evidence, ok = [], True
+    for rel, qualname, func in gates:
+        returns = [n.value for n in ast.walk(func) if isinstance(n, ast.Return) and n.value is not None]
+        spec = any(_mentions_spec(r) for r in returns)
+        ok = ok and not spec
+        shown = "; ".join(_short(r, 110) for r in returns)
+        evidence.append(f"[missing] {tree.label(rel)}: {qualname} excludes speculative decoding "
+                        f"(return {shown}): the track buffers are never registered" if spec else
+                        f"[found] {tree.label(rel)}: {qualname} does not exclude speculative decoding "
+                        f"(return {shown})")
+    return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, evidence)
+
+
+def _probe_overlap_track_boundary(tree: SourceTree) -> ProbeResult:
+    fix = OVERLAP_TRACK_BOUNDARY
+    name = "_mamba_check_track_boundary"
+    files = [RESULT_PROCESSOR] if tree.module(RESULT_PROCESSOR) is not None else \
+        tree.files_under("srt/managers/scheduler_components")
+    found = [(rel, q, f) for rel in files if tree.module(rel) is not None
+             for q, f, _ in _functions(tree.module(rel)) if f.name == name]
+    if not found:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{tree.label(RESULT_PROCESSOR)}: no {name} (no decode track-boundary bookkeeping)"])
+    rel, qualname, func = found[0]
+    where = f"{tree.label(rel)}: {qualname}"
+    branch = next((n for n in ast.walk(func) if isinstance(n, ast.If) and _mentions_spec(n.test)
+                   and _mentions(n.test, "is_none")), None)
+    if branch is None:
+        return ProbeResult(fix, Status.ABSENT, [f"[missing] {where}: no non-speculative branch "
+                                                "(`if <batch>.spec_algorithm.is_none():`)"])
+    body = ast.Module(body=branch.body, type_ignores=[])
+    direct = [n for n in ast.walk(body) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)
+              and isinstance(n.left, ast.Attribute) and n.left.attr == "kv_committed_len"]
+    batch_reads = sorted({_short(n) for n in ast.walk(body) if isinstance(n, ast.Attribute)
+                          and isinstance(n.value, ast.Name) and n.value.id == "batch"})
+    if direct:
+        return ProbeResult(fix, Status.ABSENT, [
+            f"[missing] {where} tests `{_short(direct[0])}` on the shared request (line {direct[0].lineno}): "
+            "under overlap it already carries the next batch's step"])
+    ok = bool(batch_reads)
+    return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, [
+        f"[found] {where} tests the boundary on a length corrected with the batch's own snapshot "
+        f"({', '.join(batch_reads)})" if ok else
+        f"[missing] {where}: the boundary test reads nothing of the batch's own snapshot"])
+
+
+def _probe_aborted_load_back(tree: SourceTree) -> ProbeResult:
+    fix = ABORTED_LOAD_BACK
+    classes = [(rel, cls) for rel, cls in _mamba_cache_classes(tree)
+               if "build_hicache_transfers" in _methods(cls)]
+    if not classes:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{tree.label('srt/mem_cache')}: no Mamba cache component with build_hicache_transfers "
+            "(no host-tier load-back of Mamba states)"])
+    evidence, ok = [], True
+    for rel, cls in classes:
+        methods = _methods(cls)
+        where = f"{tree.label(rel)}: {cls.name}"
+        allocs = [c for c in _calls(methods["build_hicache_transfers"], "alloc")
+                  if "host" not in ast.unparse(c.func).lower()]  # a device slot, not the host pool's
+        unwinds = [name for name, m in methods.items() if _calls(m, "free") and any(
+            isinstance(t, ast.Attribute) and t.attr == "mamba_pool_idx" and _is_none(v)
+            for t, v, _ in _assignments(m))]
+        evidence.append(f"[missing] {where}.build_hicache_transfers allocates the request's slot "
+                        f"({_short(allocs[0])}) before the load-back is known to proceed" if allocs else
+                        f"[found] {where}.build_hicache_transfers allocates nothing")
+        evidence.append(f"[found] {where}.{unwinds[0]} frees the slot and unbinds the request "
+                        "(<req>.mamba_pool_idx = None)" if unwinds else
+                        f"[missing] {where}: no method frees the slot of an aborted load-back and "
+                        "unbinds the request")
+        ok = ok and not allocs and bool(unwinds)
+    return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, evidence)
+
+
 _PROBES = {
     FORWARD_STREAM_MAMBA_OPS: _probe_forward_stream,
     CLEAR_DEFERRED_MAMBA_METADATA: _probe_clear_metadata,
+    MIXED_CHUNK_TRACKING: _probe_mixed_chunk_tracking,
+    PREFILL_GRAPH_TRACK_TAIL: _probe_prefill_graph_track_tail,
+    DECODE_GRAPH_TRACK_PREFIX: _probe_decode_graph_track_prefix,
+    MAMBA2_TRACK_GRID: _probe_mamba2_track_grid,
+    PREFILL_GRAPH_SPEC_TRACKING: _probe_prefill_graph_spec_tracking,
+    OVERLAP_TRACK_BOUNDARY: _probe_overlap_track_boundary,
+    ABORTED_LOAD_BACK: _probe_aborted_load_back,
 }
 
 
