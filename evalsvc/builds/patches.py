@@ -29,10 +29,22 @@ Patches:
   ``Req.get_fill_ids()`` with ``full_untruncated_fill_ids`` where ``Req`` has them (0.5.13 on), else
   ``fill_ids`` with ``origin_input_ids + output_ids``. Its probe says ``present`` once the loop
   starts with that ``if``; a tree without the collector (before PR #24954) is ``not_applicable``.
+* ``defect:mixed-chunk-tracking-dropped``: a defect patch that reverses PR #39342 (0.5.23). In
+  ``ScheduleBatch.mix_with_running`` it removes the top-level statements that carry the prefill
+  rows' Mamba tracking across ``merge_batch``: after the merge, those that set a track field again;
+  before it, those that assign a local only they read (``prefill_track``, with the lazy-buffer undo
+  in its block). ``merge_batch`` then leaves the track fields ``None`` for the mixed forward, which
+  writes no checkpoint, while the cache still donates the slot the prefill claimed. Applied to 0.5.23
+  it gives, statement for statement, 0.5.22's ``mix_with_running``. Its probe is the fix's probe
+  turned round: ``present`` wherever #39342 is absent, so 0.5.13 to 0.5.22 carry the defect as
+  released (applying it there changes nothing) and 0.5.23 carries it only when planted.
 * ``pr24954-forward-stream-mamba-ops``: not available. The PR changes about ten modules (Mamba pool,
   radix caches, unified-cache component, schedule batch, forward batch, attention backends,
   speculative info) of a tree that was moving quickly; no faithful backport to the releases before
   it (0.5.3.post3 to 0.5.12.post1) exists here, so applying it raises :class:`PatchError`.
+* The 2026 tracking fixes (``pr39342-...``, ``pr34184-...``, ``pr32555-...``, ``pr37836-...``,
+  ``pr32606-...``, ``pr29792-...``, ``pr30986-...``): probed, not backported; applying one to a
+  release without it raises :class:`PatchError` naming the first release that has it.
 """
 
 from __future__ import annotations
@@ -48,17 +60,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalsvc.builds.probes import (
+    ABORTED_LOAD_BACK,
     CLEAR_DEFERRED_MAMBA_METADATA,
+    DECODE_GRAPH_TRACK_PREFIX,
     DEFERRED_FIELDS,
     FIXES,
     FORWARD_STREAM_MAMBA_OPS,
+    MAMBA2_TRACK_GRID,
+    MIXED_CHUNK_TRACKING,
+    OVERLAP_TRACK_BOUNDARY,
+    PREFILL_GRAPH_SPEC_TRACKING,
+    PREFILL_GRAPH_TRACK_TAIL,
     SCHEDULE_BATCH,
+    TRACK_FIELDS,
     FunctionNode,
     ProbeResult,
     SourceTree,
     Status,
+    _assignments,
+    _calls,
     _classes,
+    _is_none,
+    _is_self_attr,
     _methods,
+    _probe_mixed_chunk_tracking,
     find_prepare_for_decode,
     find_schedule_batch,
     inspect_prepare_for_decode,
@@ -326,6 +351,91 @@ def _drop_chunked_cow(tree: SourceTree) -> dict[str, bytes]:
     return {rel: new_data}
 
 
+MIXED_CHUNK_TRACKING_DROPPED = "defect:mixed-chunk-tracking-dropped"
+MIXED_DEFECT_COMMENT = ("# defect patch {name} (SGLang PR #39342 reversed): merge_batch\n"
+                        "# drops the Mamba track fields and nothing restores the prefill rows'\n"
+                        "# tracking, so their claimed slot is donated unwritten.")
+
+
+def _mix_with_running(module: ast.Module | None) -> FunctionNode | None:
+    cls = find_schedule_batch(module)
+    return _methods(cls).get("mix_with_running") if cls is not None else None
+
+
+def _tracking_restore(function: FunctionNode) -> list[ast.stmt]:
+    """The top-level statements of ``mix_with_running`` that carry the prefill rows' tracking across
+    ``merge_batch``: after the merge, those that set a track field again; before it, those that assign
+    a local those read (``prefill_track = None``, ``if self.mamba_track_indices is not None:
+    prefill_track = (...)``). Empty when the method has none (0.5.22 and earlier)."""
+    body = function.body
+    at = next((i for i, stmt in enumerate(body) if _calls(stmt, "merge_batch")), None)
+    if at is None:
+        return []
+    after = [stmt for stmt in body[at + 1:]
+             if any(_is_self_attr(t, f) and not _is_none(v) for f in TRACK_FIELDS
+                    for t, v, _ in _assignments(stmt))]
+    def reads(stmts: list[ast.stmt]) -> set[str]:
+        return {n.id for stmt in stmts for n in ast.walk(stmt)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+    kept = reads([stmt for stmt in body if stmt not in after])
+    only_restore = reads(after) - kept  # ``prefill_track``, not ``running_bs``
+    before = [stmt for stmt in body[:at]
+              if any(isinstance(t, ast.Name) and t.id in only_restore for t, _, _ in _assignments(stmt))]
+    return before + after
+
+
+def _probe_tracking_dropped(tree: SourceTree) -> ProbeResult:
+    """Present where PR #39342's fix is absent: the defect is the release's own code before it."""
+    fixed = _probe_mixed_chunk_tracking(tree)
+    status = {Status.PRESENT: Status.ABSENT, Status.ABSENT: Status.PRESENT}.get(fixed.status, fixed.status)
+    return ProbeResult(MIXED_CHUNK_TRACKING_DROPPED, status, fixed.evidence)
+
+
+def _drop_mixed_chunk_tracking(tree: SourceTree) -> dict[str, bytes]:
+    name = MIXED_CHUNK_TRACKING_DROPPED
+    rel = SCHEDULE_BATCH
+    path, module, text, fail = _read_module(tree, rel, name)
+    function = _mix_with_running(module)
+    if function is None:
+        raise fail("no ScheduleBatch.mix_with_running")
+    remove = _tracking_restore(function)
+    if not remove:
+        raise fail("ScheduleBatch.mix_with_running sets no Mamba track field after merge_batch")
+    lines = _split_lines(text)
+    first = remove[0]
+    indent = lines[first.lineno - 1][: first.col_offset]
+    if indent.strip():
+        raise fail(f"statement at line {first.lineno} does not start its line")
+    drop: set[int] = set()  # 0-based line numbers
+    for stmt in remove:
+        if any(stmt.lineno <= other.end_lineno and other.lineno <= stmt.end_lineno and other is not stmt
+               for other in function.body if other not in remove):
+            raise fail(f"statement at line {stmt.lineno} shares its lines with another")
+        start = stmt.lineno - 1
+        while start > 0 and lines[start - 1].strip().startswith("#"):  # its own comment goes too
+            start -= 1
+        drop.update(range(start, stmt.end_lineno))
+    first_line = min(drop)
+    newline = _ending(lines[first.lineno - 1]) or "\n"
+    comment = [f"{indent}{c}{newline}" for c in MIXED_DEFECT_COMMENT.format(name=name).split("\n")]
+    out = []
+    for i, line in enumerate(lines):
+        if i == first_line:
+            out.extend(comment)
+        if i not in drop:
+            out.append(line)
+    new_data = "".join(out).encode("utf-8")
+    try:
+        new_module = ast.parse(new_data, filename=str(path))
+    except SyntaxError as exc:
+        raise fail(f"the edit does not parse ({exc})") from exc
+    new_function = _mix_with_running(new_module)
+    if new_function is None or _tracking_restore(new_function):
+        raise fail("after the edit mix_with_running still restores the Mamba tracking")
+    return {rel: new_data}
+
+
 def _unavailable(fix: str, why: str) -> Patch:
     return Patch(fix, fix, FIXES[fix].title, unavailable=why)
 
@@ -346,11 +456,25 @@ PATCHES: dict[str, Patch] = {
         transform=_drop_chunked_cow,
         check=_probe_dropped_cow,
     ),
+    MIXED_CHUNK_TRACKING_DROPPED: Patch(
+        MIXED_CHUNK_TRACKING_DROPPED,
+        MIXED_CHUNK_TRACKING_DROPPED,
+        "Defect: reverse PR #39342 in ScheduleBatch.mix_with_running, so a mixed-chunk batch drops "
+        "the prefill rows' Mamba tracking and their slot is donated unwritten (0.5.22's behaviour)",
+        transform=_drop_mixed_chunk_tracking,
+        check=_probe_tracking_dropped,
+    ),
     FORWARD_STREAM_MAMBA_OPS: _unavailable(
         FORWARD_STREAM_MAMBA_OPS,
         "PR #24954 backport not available for {version}; evaluate a release that contains it "
         "(0.5.13 or later)",
     ),
+    **{fix: _unavailable(fix, f"PR #{FIXES[fix].pr} backport not available for {{version}}; evaluate a "
+                              f"release that contains it ({first} or later)")
+       for fix, first in [(MIXED_CHUNK_TRACKING, "0.5.23"), (PREFILL_GRAPH_TRACK_TAIL, "0.5.18"),
+                          (DECODE_GRAPH_TRACK_PREFIX, "0.5.17"), (MAMBA2_TRACK_GRID, "0.5.20"),
+                          (PREFILL_GRAPH_SPEC_TRACKING, "0.5.18"), (OVERLAP_TRACK_BOUNDARY, "0.5.18"),
+                          (ABORTED_LOAD_BACK, "0.5.17")]},
 }
 
 
