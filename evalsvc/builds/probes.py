@@ -36,6 +36,38 @@ declares the three deferred fields (that is, from PR #24954 on). Present when
 ``ScheduleBatch.prepare_for_decode`` assigns ``self.<field> = None`` for all three as top-level
 statements before its speculative branch (the first top-level ``if`` whose test names something
 ``spec``: ``if not self.spec_algorithm.is_none():``, in 0.5.13 ``if self.is_spec_v2:``).
+
+The 2026 bug classes of Mamba state tracking (``extra_buffer``), each found by what the code does:
+
+``pr39342-mixed-chunk-mamba-tracking``. Applicable when ``ScheduleBatch`` has ``mix_with_running``,
+``merge_batch`` and ``mamba_track_indices``. Present when ``merge_batch`` keeps the track fields, or
+``mix_with_running`` sets ``self.mamba_track_indices`` and ``self.mamba_track_mask`` again after its
+``merge_batch(...)`` call (0.5.23); absent when the merge leaves them ``None`` for the mixed forward.
+
+``pr34184-prefill-graph-track-tail``. Applicable when a prefill CUDA-graph runner
+(``model_executor/**/*{prefill,piecewise}*graph*.py``) that knows ``mamba_track_mask`` clears the
+padded tail of its static buffers (``<buf>[bs:r].zero_()``). Present when such a clear covers
+``mamba_track_mask`` and ``mamba_track_indices`` (named in the buffer or the loop around it).
+
+``pr32555-decode-graph-track-prefix``. Applicable when the hybrid linear-attention backend allocates
+``self.mamba_track_indices_buf``. Present when every read of it is sliced (``[:bs]``); a bare read
+hands the whole ``max_bs`` buffer, whose tail Mamba2's ``[-num_decodes:]`` binds.
+
+``pr37836-mamba2-track-global-grid``. Applicable when an ``_init_track_ssm_indices*`` method has an
+``if isinstance(self, Mamba2AttnBackend):`` branch. Present when that branch places requests on the
+batch-wide chunk grid (a ``cumsum`` or a ``*start_loc*``); absent when it counts ``h`` per request.
+
+``pr32606-prefill-graph-spec-tracking``. Applicable when a prefill CUDA-graph runner has an
+``is_mamba_track_enabled`` gate. Present when its return no longer names speculative decoding (the
+landed fix, 0.5.18, dropped ``spec_algorithm.is_none()``; PR #32606's own approach was not merged).
+
+``pr29792-overlap-track-boundary``. Applicable when ``_mamba_check_track_boundary`` exists. Absent
+when its non-speculative branch tests ``req.kv_committed_len % interval`` directly; present when it
+tests a length corrected with the batch's own snapshot (``batch.mamba_decode_batch_idx_cpu``).
+
+``pr30986-aborted-load-back-slot``. Applicable when a Mamba cache component has
+``build_hicache_transfers``. Present when that build allocates no device slot and a method of the
+class frees the slot and sets ``<req>.mamba_pool_idx = None`` (``finalize_load_back``).
 """
 
 from __future__ import annotations
