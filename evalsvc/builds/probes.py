@@ -46,7 +46,7 @@ The 2026 bug classes of Mamba state tracking (``extra_buffer``), each found by w
 
 ``pr34184-prefill-graph-track-tail``. Applicable when a prefill CUDA-graph runner
 (``model_executor/**/*{prefill,piecewise}*graph*.py``) that knows ``mamba_track_mask`` clears the
-padded tail of its static buffers (``<buf>[bs:r].zero_()``). Present when such a clear covers
+padded request rows of its static buffers (``<buf>[bs:r].zero_()``). Present when such a clear covers
 ``mamba_track_mask`` and ``mamba_track_indices`` (named in the buffer or the loop around it).
 
 ``pr32555-decode-graph-track-prefix``. Applicable when the hybrid linear-attention backend allocates
@@ -655,9 +655,13 @@ def _mentions(node: ast.AST, name: str) -> bool:
 
 
 def _is_tail_slice(node: ast.AST) -> bool:
-    """``<x>[a:b]`` with both bounds: the padded tail ``[bs:r]`` of a static buffer."""
-    return (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)
-            and node.slice.lower is not None and node.slice.upper is not None)
+    """``<x>[bs:r]``: the padded request rows of a static buffer (both bounds, the lower one a
+    request count: a name with ``bs`` or ``req`` in it, not a token count)."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)
+            and node.slice.lower is not None and node.slice.upper is not None):
+        return False
+    return any(isinstance(n, ast.Name) and ("bs" in n.id.lower() or "req" in n.id.lower())
+               for n in ast.walk(node.slice.lower))
 
 
 def _graph_runner_files(tree: SourceTree) -> list[str]:
@@ -754,8 +758,8 @@ def _probe_prefill_graph_track_tail(tree: SourceTree) -> ProbeResult:
     if not found:
         return ProbeResult(fix, Status.NOT_APPLICABLE, [
             f"{', '.join(tree.label(f) for f in files) or tree.label('srt/model_executor')}: no prefill "
-            "CUDA-graph runner with Mamba tracking that clears a padded tail of its static buffers "
-            "(<buf>[bs:r].zero_())"])
+            "CUDA-graph runner with Mamba tracking that clears the padded request rows of its static "
+            "buffers (<buf>[bs:r].zero_())"])
     evidence, ok = [], True
     for rel, qualname, func in found:
         cleared = _tail_cleared_names(func)
