@@ -6,6 +6,12 @@ real releases: it applies where the deferred COW exists (0.5.13 on) and nowhere 
 own ``ScheduleBatch._collect_deferred_mamba_cow_and_clear``, taken from the patched file and run on
 requests, drops exactly the COW of chunked requests with the extra buffer off, and nothing else;
 and a build with it is a build of its own, its manifest naming the patch and the file it changed.
+
+``defect:mixed-chunk-tracking-dropped`` (PR #39342 reversed): 0.5.23 with it has 0.5.22's
+``ScheduleBatch.mix_with_running`` statement for statement, and SGLang's own method, run on a prefill
+batch mixed with running decodes, keeps the prefill rows' tracking without it and drops it with it,
+as 0.5.22 does as released; 0.5.22 is the unplanted control (applying the defect there changes
+nothing).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import pytest
 
 from evalsvc.builds.build import make_build
 from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
-from evalsvc.builds.probes import FORWARD_STREAM_MAMBA_OPS, Status, probe
+from evalsvc.builds.probes import FORWARD_STREAM_MAMBA_OPS, MIXED_CHUNK_TRACKING, Status, probe, probe_all
 
 DEFECT = "defect:deferred-ops-dropped"
 SCHEDULE_BATCH = "sglang/srt/managers/schedule_batch.py"
@@ -142,3 +148,122 @@ def test_a_build_with_the_defect_is_its_own_build_and_says_so(
     assert "defect patch defect:deferred-ops-dropped" in (
         defective.site / SCHEDULE_BATCH).read_text()
     assert DEFECT in PATCHES and PATCHES[DEFECT].check is not None
+
+
+# --- defect:mixed-chunk-tracking-dropped (PR #39342 reversed) -----------------------------------
+
+MIXED_DEFECT = "defect:mixed-chunk-tracking-dropped"
+TRACK = ("mamba_track_indices", "mamba_track_mask", "mamba_track_seqlens",
+         "mamba_prefill_track_mask_cpu", "mamba_track_seqlens_cpu")
+
+
+def mix_with_running(root: Path) -> ast.FunctionDef:
+    module = ast.parse((root / SCHEDULE_BATCH).read_bytes())
+    cls = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "ScheduleBatch")
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "mix_with_running")
+
+
+def compiled_mix(root: Path) -> Callable:
+    """SGLang's own ``ScheduleBatch.mix_with_running`` from the tree at ``root``, compiled alone."""
+    path = root / SCHEDULE_BATCH
+    text = path.read_text()
+    source = textwrap.dedent(ast.get_source_segment(text, mix_with_running(root), padded=True))
+    namespace = {"__builtins__": __builtins__, "torch": torch,
+                 "ForwardMode": SimpleNamespace(MIXED="mixed"),
+                 "get_exec": lambda: SimpleNamespace(mamba=SimpleNamespace(
+                     enable_mamba_extra_buffer_lazy=False))}
+    exec(compile("from __future__ import annotations\n" + source, str(path), "exec"), namespace)
+    return namespace["mix_with_running"]
+
+
+class Batch(SimpleNamespace):
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def merge_batch(self, other: Batch) -> None:
+        """What every release's ``merge_batch`` does to the rows and the track fields (its probe
+        checks the ``None``s): rows appended, tracking dropped."""
+        self.reqs = self.reqs + other.reqs
+        self.out_cache_loc = torch.cat([self.out_cache_loc, other.out_cache_loc])
+        for name in TRACK:
+            setattr(self, name, None)
+
+
+def mixed_step(run: Callable) -> Batch:
+    """A prefill batch of two requests (the first reaches a track point: slot 5 at 64 tokens) mixed
+    with three running decodes."""
+    req = lambda: SimpleNamespace(refresh_fill_ids=lambda: None)  # noqa: E731
+    prefill = Batch(
+        reqs=[req(), req()], spec_algorithm=SimpleNamespace(is_none=lambda: True),
+        out_cache_loc=torch.arange(100, 110), prefix_lens=[0, 0], extend_lens=[70, 30],
+        extend_num_tokens=100, extend_logprob_start_lens=[0, 0],
+        mamba_track_indices=torch.tensor([5, 6]), mamba_track_mask=torch.tensor([True, False]),
+        mamba_track_seqlens=torch.tensor([64, -1]), mamba_prefill_track_mask_cpu=[True, False],
+        mamba_track_seqlens_cpu=[64, -1])
+    running = Batch(reqs=[req(), req(), req()], seq_lens_cpu=torch.tensor([10, 11, 12]),
+                    req_pool_indices=torch.tensor([1, 2, 3]), req_pool_indices_cpu=[1, 2, 3],
+                    out_cache_loc=torch.tensor([7, 8, 9]))
+    run(prefill, running)
+    return prefill
+
+
+def tracking(batch: Batch) -> dict[str, list | None]:
+    return {name: (value.tolist() if isinstance(value, torch.Tensor) else value)
+            for name in TRACK for value in [getattr(batch, name)]}
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+def test_the_mixed_chunk_defect_puts_0_5_22_back_into_0_5_23(
+        writable_tree: Callable[[str], Path], release_tree: Callable[[str], Path]) -> None:
+    root = writable_tree("0.5.23")
+    clean = compiled_mix(root)
+    statuses = {r.fix: r.status for r in probe_all(root)}
+    assert statuses[MIXED_CHUNK_TRACKING] is Status.PRESENT
+
+    result = apply_patch(root, MIXED_DEFECT)
+
+    assert (result.before.status, result.after.status) == (Status.ABSENT, Status.PRESENT)
+    assert [c.path for c in result.changed] == [SCHEDULE_BATCH]
+    # only the fix it reverses changes; the method is 0.5.22's, statement for statement
+    assert {r.fix: r.status for r in probe_all(root)} == {
+        **statuses, MIXED_CHUNK_TRACKING: Status.ABSENT}
+    assert ast.dump(mix_with_running(root)) == ast.dump(mix_with_running(release_tree("0.5.22")))
+    assert "defect patch defect:mixed-chunk-tracking-dropped" in (root / SCHEDULE_BATCH).read_text()
+    # run: the fix keeps the prefill rows' tracking with the decode tails untracked; the defect,
+    # like 0.5.22 as released, leaves the mixed forward nothing to track
+    assert tracking(mixed_step(clean)) == {
+        "mamba_track_indices": [5, 6, -1, -1, -1], "mamba_track_mask": [True] + [False] * 4,
+        "mamba_track_seqlens": [64, -1, -1, -1, -1],
+        "mamba_prefill_track_mask_cpu": [True] + [False] * 4, "mamba_track_seqlens_cpu": [64] + [-1] * 4}
+    dropped = dict.fromkeys(TRACK)
+    assert tracking(mixed_step(compiled_mix(root))) == dropped
+    assert tracking(mixed_step(compiled_mix(release_tree("0.5.22")))) == dropped
+    assert apply_patch(root, MIXED_DEFECT).changed == []
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+def test_0_5_22_carries_the_mixed_chunk_defect_as_released(
+        writable_tree: Callable[[str], Path]) -> None:
+    root = writable_tree("0.5.22")
+    before = (root / SCHEDULE_BATCH).read_bytes()
+    result = apply_patch(root, MIXED_DEFECT)
+    assert result.before.status is Status.PRESENT and result.changed == []
+    assert (root / SCHEDULE_BATCH).read_bytes() == before
+    assert probe(root, MIXED_CHUNK_TRACKING).status is Status.ABSENT
+    with pytest.raises(PatchError, match=r"PR #39342 backport not available for sglang 0\.5\.22; "
+                                         r"evaluate a release that contains it \(0\.5\.23 or later\)"):
+        apply_patch(root, MIXED_CHUNK_TRACKING)
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+def test_the_mixed_chunk_defect_is_refused_where_no_tracked_batch_mixes(
+        writable_tree: Callable[[str], Path]) -> None:
+    root = writable_tree("0.5.3")
+    before = (root / SCHEDULE_BATCH).read_bytes()
+    with pytest.raises(PatchError, match=r"defect:mixed-chunk-tracking-dropped: not applicable to sglang "
+                                         r"0\.5\.3 .*no mixed-chunk merge of Mamba-tracked batches"):
+        apply_patch(root, MIXED_DEFECT)
+    assert (root / SCHEDULE_BATCH).read_bytes() == before

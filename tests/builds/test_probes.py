@@ -17,6 +17,11 @@ Releases (what the probes must say, found by reading every release from 0.5.1 to
 * 0.5.20: both present, the first release with #37165.
 * 0.5.23: both present; ``mamba_radix_cache.py`` is gone, the Mamba cache is
   ``unified_cache/components/mamba.py``.
+
+The 2026 tracking fixes, found by reading every release from 0.5.13 to 0.5.23 (``TABLE``):
+#30986 and #32555 land in 0.5.17; #34184, #32606 and #29792 in 0.5.18; #37836 in 0.5.20; #39342
+in 0.5.23. #34184 and #32555 are not applicable to 0.5.13 and 0.5.14 (no padded request rows in
+the prefill graph, no static decode track buffer); they are absent in 0.5.15 and 0.5.16.
 """
 
 from __future__ import annotations
@@ -31,10 +36,17 @@ import pytest
 
 from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
 from evalsvc.builds.probes import (
+    ABORTED_LOAD_BACK,
     CLEAR_DEFERRED_MAMBA_METADATA,
+    DECODE_GRAPH_TRACK_PREFIX,
     DEFERRED_FIELDS,
     FIXES,
     FORWARD_STREAM_MAMBA_OPS,
+    MAMBA2_TRACK_GRID,
+    MIXED_CHUNK_TRACKING,
+    OVERLAP_TRACK_BOUNDARY,
+    PREFILL_GRAPH_SPEC_TRACKING,
+    PREFILL_GRAPH_TRACK_TAIL,
     SourceTreeError,
     Status,
     probe,
@@ -42,15 +54,39 @@ from evalsvc.builds.probes import (
 )
 
 A, B = FORWARD_STREAM_MAMBA_OPS, CLEAR_DEFERRED_MAMBA_METADATA
+MIXED, TAIL, PREFIX, GRID = (MIXED_CHUNK_TRACKING, PREFILL_GRAPH_TRACK_TAIL, DECODE_GRAPH_TRACK_PREFIX,
+                             MAMBA2_TRACK_GRID)
+SPEC, OVERLAP, LOAD_BACK = PREFILL_GRAPH_SPEC_TRACKING, OVERLAP_TRACK_BOUNDARY, ABORTED_LOAD_BACK
 NA, ABSENT, PRESENT = Status.NOT_APPLICABLE, Status.ABSENT, Status.PRESENT
-EXPECTED: dict[str, dict[str, Status]] = {
-    "0.5.3": {A: NA, B: NA},
-    "0.5.12.post1": {A: ABSENT, B: NA},
-    "0.5.13": {A: PRESENT, B: ABSENT},
-    "0.5.19": {A: PRESENT, B: ABSENT},
-    "0.5.20": {A: PRESENT, B: PRESENT},
-    "0.5.23": {A: PRESENT, B: PRESENT},
-}
+# every release from 0.5.13 on, and two before (README "Engine builds" has the same table)
+TABLE = """
+release       24954 37165 39342 34184 32555 37836 32606 29792 30986
+0.5.3         n/a   n/a   n/a   n/a   n/a   n/a   n/a   n/a   n/a
+0.5.12.post1  -     n/a   -     n/a   n/a   n/a   -     n/a   -
+0.5.13        P     -     -     n/a   n/a   -     -     -     -
+0.5.14        P     -     -     n/a   n/a   -     -     -     -
+0.5.15        P     -     -     -     -     -     -     -     -
+0.5.16        P     -     -     -     -     -     -     -     -
+0.5.17        P     -     -     -     P     -     -     -     P
+0.5.18        P     -     -     P     P     -     P     P     P
+0.5.19        P     -     -     P     P     -     P     P     P
+0.5.20        P     P     -     P     P     P     P     P     P
+0.5.21        P     P     -     P     P     P     P     P     P
+0.5.22        P     P     -     P     P     P     P     P     P
+0.5.23        P     P     P     P     P     P     P     P     P
+"""
+
+
+def parse_table(text: str) -> dict[str, dict[str, Status]]:
+    header, *rows = [line.split() for line in text.strip().splitlines()]
+    by_pr = {str(f.pr): name for name, f in FIXES.items()}
+    fixes = [by_pr[pr] for pr in header[1:]]
+    cell = {"P": PRESENT, "-": ABSENT, "n/a": NA}
+    return {version: {fix: cell[c] for fix, c in zip(fixes, cells, strict=True)}
+            for version, *cells in rows}
+
+
+EXPECTED = parse_table(TABLE)
 SCHEDULE_BATCH = "sglang/srt/managers/schedule_batch.py"
 
 def tree_hashes(root: Path) -> dict[str, str]:
@@ -116,6 +152,27 @@ def test_probes_per_release(version: str, release_tree: Callable[[str], Path]) -
                       "MambaComponent"),
         ("0.5.23", B, "[found] sglang/srt/managers/schedule_batch.py: ScheduleBatch.prepare_for_decode: "
                       "self.mamba_cow_src_indices = None"),
+        ("0.5.22", MIXED, "[missing] sglang/srt/managers/schedule_batch.py: ScheduleBatch.mix_with_running: "
+                          "self.mamba_track_indices restored after merge_batch"),
+        ("0.5.23", MIXED, "[found] sglang/srt/managers/schedule_batch.py: ScheduleBatch.mix_with_running "
+                          "sets self.mamba_track_mask again after merge_batch"),
+        ("0.5.17", TAIL, "[missing] sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py: "
+                         "PrefillCudaGraphRunner.load_batch clears the padded tail of its static buffers"),
+        ("0.5.18", TAIL, "[found] sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py: "
+                         "PrefillCudaGraphRunner.load_batch clears the padded tail of mamba_track_indices"),
+        ("0.5.16", PREFIX, "MambaAttnBackendBase._replay_metadata reads self.mamba_track_indices_buf (line"),
+        ("0.5.17", PREFIX, "MambaAttnBackendBase._replay_metadata reads self.mamba_track_indices_buf[:bs]"),
+        ("0.5.19", GRID, "[missing] sglang/srt/layers/attention/hybrid_linear_attn_backend.py: MambaAttn"
+                         "BackendBase._init_track_ssm_indices `if isinstance(self, Mamba2AttnBackend):`"),
+        ("0.5.13", SPEC, "[missing] sglang/srt/model_executor/piecewise_cuda_graph_runner.py: "
+                         "PiecewiseCudaGraphRunner.is_mamba_track_enabled excludes speculative decoding"),
+        ("0.5.23", SPEC, "PrefillCudaGraphRunner._is_mamba_track_enabled does not exclude speculative"),
+        ("0.5.17", OVERLAP, "_mamba_check_track_boundary tests `req.kv_committed_len % interval`"),
+        ("0.5.18", OVERLAP, "(batch.mamba_decode_batch_idx_cpu)"),
+        ("0.5.16", LOAD_BACK, "MambaComponent.build_hicache_transfers allocates the request's slot "
+                              "(self.cache.req_to_token_pool.mamba_allocator.alloc(1))"),
+        ("0.5.23", LOAD_BACK, "[found] sglang/srt/mem_cache/unified_cache/components/mamba.py: "
+                              "MambaComponent.finalize_load_back frees the slot"),
     ],
 )
 def test_probe_evidence_follows_moved_code(
