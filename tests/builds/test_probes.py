@@ -345,3 +345,55 @@ def test_patch_without_its_anchor_raises_and_changes_nothing(tmp_path: Path) -> 
                                          r"no speculative branch.*nothing was changed"):
         apply_patch(root, B)
     assert tree_hashes(root) == before
+
+
+MIXED_BATCH = """\
+class ScheduleBatch:
+    mamba_track_indices = None
+
+    def mix_with_running(self, running_batch):
+        running_bs = running_batch.batch_size()
+{save}
+        self.merge_batch(running_batch)
+{restore}
+        self.extend_lens = self.extend_lens + [1] * running_bs
+
+    def merge_batch(self, other):
+        self.mamba_track_indices = None
+        self.mamba_track_mask = None
+"""
+SAVE = """\
+        # keep the prefill rows' tracking
+        saved = None
+        if self.mamba_track_indices is not None:
+            saved = (self.mamba_track_indices, self.mamba_track_mask)
+"""
+RESTORE = """\
+        if saved is not None:
+            self.mamba_track_indices = pad(saved[0], running_bs)
+            self.mamba_track_mask = pad(saved[1], running_bs)
+"""
+
+
+def test_mixed_chunk_probe_and_defect_on_a_checkout_layout(tmp_path: Path) -> None:
+    fixed = synthetic_tree(tmp_path / "fixed", "")
+    unfixed = synthetic_tree(tmp_path / "unfixed", "")
+    for root, save, restore in ((fixed, SAVE, RESTORE), (unfixed, "", "")):
+        (root / "python" / SCHEDULE_BATCH).write_text(MIXED_BATCH.format(save=save, restore=restore))
+    assert probe(fixed, MIXED).status is PRESENT
+    assert probe(unfixed, MIXED).status is ABSENT
+    defect = "defect:mixed-chunk-tracking-dropped"
+    assert apply_patch(unfixed, defect).changed == []  # the defect is there as written
+
+    result = apply_patch(fixed, defect)
+
+    assert (result.before.status, result.after.status) == (ABSENT, PRESENT)
+    assert probe(fixed, MIXED).status is ABSENT
+    text = (fixed / "python" / SCHEDULE_BATCH).read_text()
+    assert "saved" not in text and "keep the prefill rows' tracking" not in text
+    assert "running_bs = running_batch.batch_size()" in text  # read by what stays
+    assert f"# defect patch {defect}" in text
+    method = lambda root: next(  # noqa: E731
+        ast.dump(f) for c in ast.parse((root / "python" / SCHEDULE_BATCH).read_text()).body
+        for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "mix_with_running")
+    assert method(fixed) == method(unfixed)
