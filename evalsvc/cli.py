@@ -90,6 +90,9 @@ def run(
              "--engine-python's environment)")] = None,
     patch: Annotated[list[str] | None, typer.Option(
         "--patch", help="with --source: a known fix to patch in")] = None,
+    cpu_ops: Annotated[str | None, typer.Option(
+        help="real SGLang on a CPU: reference (torch, any x86-64 CPU) or kernel (SGLang's CPU "
+             "kernel, AVX-512-BF16); default: the matrix's cpu_ops")] = None,
 ) -> None:
     """Evaluate a configuration matrix: KL against the reference and acceptance, per scenario."""
     import json
@@ -112,6 +115,8 @@ def run(
     setup_logging(logging.WARNING)
     try:
         mat = load_matrix(matrix, allow_path=True)  # the operator may name a file
+        if cpu_ops is not None:
+            mat = mat.with_cpu_ops(cpu_ops)
     except MatrixError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None

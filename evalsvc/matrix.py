@@ -349,9 +349,16 @@ class MatrixFile(Strict):
                              "kernel")
         self.cpu_ops = ops
         self.engine_env[CPU_OPS_VARIABLE] = ops
-        if ops in CPU_OPS_ATTENTION:
-            self.extra_args.setdefault("attention_backend", CPU_OPS_ATTENTION[ops])
         return self
+
+    def with_cpu_ops(self, ops: str) -> MatrixFile:
+        """This matrix with its CPU ops replaced (``evalsvc run --cpu-ops``)."""
+        data = self.model_dump()
+        data["engine_env"].pop(CPU_OPS_VARIABLE, None)
+        try:
+            return MatrixFile.model_validate({**data, "cpu_ops": ops})
+        except ValidationError as exc:
+            raise MatrixError(f"--cpu-ops {shown(ops)}: " + describe_errors(exc)) from None
 
     def check_engine_flags(self, engine: str | None = None) -> None:
         """``extra_args`` and ``engine_env`` against the allowlists of ``engine`` (default: the
@@ -607,6 +614,8 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
                      "speculative_num_draft_tokens": m.num_draft_tokens or m.num_steps + 1})
     if s["deterministic"]:
         args["enable_deterministic_inference"] = True
+    if matrix.cpu_ops in CPU_OPS_ATTENTION:  # unless the matrix names a backend itself
+        args.setdefault("attention_backend", CPU_OPS_ATTENTION[matrix.cpu_ops])
     return args
 
 

@@ -7,20 +7,26 @@ contract envs (``$EVALSVC_SGLANG_ENV_DIR``, default ``~/.cache/evalsvc/sglang-en
 second run reuses it; the model is a random-weight tiny Qwen3-Next made by
 ``training/qwen3_next.py`` in that environment.
 
-What the service found there is pinned too: this kernel build's causal conv1d misreads the conv
-state an extend starts from, so the first width-1 (3) prompt tokens prefilled on a cached prefix
-(and the first of each prefill chunk after the first) get wrong logits, while everything after
-them, and the decode, are at the bf16 floor. The generated tokens' KL (SGLang's own method) does
-not see it; the extend's KL does. Should a rebuilt kernel fix it, the last test fails and says so.
+Two paths, as the matrix field ``cpu_ops`` chooses:
 
-On a CPU without AVX-512-BF16 the kernel cannot run at all, so these tests skip naming what the
-CPU lacks; a missing kernel wheel fails them under CI and skips them elsewhere, naming what to
-install.
+* ``reference`` (any x86-64 CPU): SGLang's own scheduler, caches and model code with the reference
+  ops for its gated-deltanet layers. Every scenario passes, hits included, chunked prefill 128
+  (chunk boundaries inside the measured tokens) included; the reference ops agree with every
+  kernel op they replace, to bf16 rounding.
+* ``kernel`` (AVX-512-BF16 only): SGLang's CPU kernel, whose varlen causal conv1d ignores the conv
+  state an extend starts from (upstream PR #29068), so the first width-1 (3) prompt tokens
+  prefilled on a cached prefix get wrong logits while everything after them is at the bf16 floor.
+  Should a rebuilt kernel fix it, the last test fails and says so.
+
+A missing kernel wheel fails these tests under CI and skips them elsewhere, naming what to install;
+the kernel-path tests skip on a CPU without AVX-512-BF16, naming what it lacks.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -32,32 +38,52 @@ from rich.console import Console
 from evalsvc.builds import sglang_cpu
 from evalsvc.builds.sglang_env import env_root
 from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.sglang_cpu_ops import OPS
 from evalsvc.evaluate import evaluate, prepare, summary_rows
 from evalsvc.matrix import load_matrix
 from tests.conftest import in_ci
 from tests.processes import marked_processes
 
 ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data" / "sglang"
 CONFIG = "qwen3-next-tiny-nb-sync-c4096"  # no_buffer, overlap off, no chunk boundary in a prompt
+CHUNKED = "qwen3-next-tiny-nb-sync-c128"  # chunk boundaries inside the measured tokens
 MARK = "EVALSVC_TEST_SGLANG_CPU"
+# the ops the portable (x86-64-v3) kernel build runs; it raises for the others
+PORTABLE = {"fused_gdn_gating_cpu", "fused_rmsnorm_gated_cpu",
+            "fused_sigmoid_gating_delta_rule_update_cpu"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("sglang-cpu")]
 
 
+def _missing(exc: Exception) -> None:
+    if in_ci():
+        pytest.fail(f"CI is set and real SGLang on this CPU needs its kernel wheels: {exc}",
+                    pytrace=False)
+    pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="module")
 def sglang_python() -> Path:
+    try:
+        sglang_cpu.kernel_wheels()
+    except sglang_cpu.SGLangCPUError as exc:
+        _missing(exc)
+    return sglang_cpu.ensure(env_root() / "cpu-0.5.17")
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(sglang_python: Path) -> Path:
+    """The environment's AVX-512 kernel build, where this CPU runs it."""
     host = sglang_cpu.read_host()
     if host.missing():
-        pytest.skip(f"this CPU ({host.model}) lacks {', '.join(host.missing())}: SGLang's CPU "
-                    "kernel needs AVX-512 with BF16")
+        pytest.skip(f"this CPU ({host.model}) lacks {', '.join(host.missing())}: the kernel path "
+                    "needs AVX-512 with BF16 (the reference path's tests run here)")
     try:
         sglang_cpu.kernel_wheel()
     except sglang_cpu.SGLangCPUError as exc:
-        if in_ci():
-            pytest.fail(f"CI is set and real SGLang on this CPU needs its kernel wheel: {exc}",
-                        pytrace=False)
-        pytest.skip(str(exc))
-    return sglang_cpu.ensure(env_root() / "cpu-0.5.17")
+        _missing(exc)
+    return sglang_python.parents[1] / sglang_cpu.KERNEL_DIR
 
 
 @pytest.fixture(scope="module")
@@ -68,45 +94,119 @@ def qwen3_next(sglang_python: Path, tmp_path_factory) -> Path:
     return out
 
 
-def test_real_sglang_serves_a_hybrid_model_through_the_harness(sglang_python, qwen3_next,
-                                                               tmp_path, monkeypatch):
-    monkeypatch.setenv(MARK, tmp_path.name)  # marks the engine processes (they inherit it)
-    matrix = load_matrix("sglang-cpu")
-    matrix.workload.num_prompts = 4
-    spec = EngineSpec(kind="sglang", python=str(sglang_python), startup_timeout=300)
-    configs, prompts = prepare(matrix, spec, model_override=str(qwen3_next))
-    [config] = [c for c in configs if c.name == CONFIG]
-    [result] = evaluate(matrix, [config], prompts, spec, tmp_path / "out", Console(quiet=True))
+def _ops_against_kernel(python: Path, kernel: Path | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(kernel) if kernel else ""}
+    out = subprocess.run([str(python), str(DATA / "cpu_ops_vs_kernel.py")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
 
-    assert result.command[1:3] == ["-m", "sglang.launch_server"]
-    # what SGLang itself resolved, from its /server_info
-    assert result.resolved_args["mamba_radix_cache_strategy"] == "no_buffer"
-    assert result.resolved_args["disable_overlap_schedule"] is True
-    assert result.resolved_args["device"] == "cpu"
-    rows = {r["scenario"]: r for r in summary_rows([result])}
-    assert set(rows) == set(config.scenarios)
-    # judged, every one (the hit scenarios may fail on the kernel's conv defect, below)
-    assert {r["verdict"] for r in rows.values()} <= {"pass", "fail"}, rows
-    assert rows["cold"]["verdict"] == "pass", rows["cold"]
-    # the hit scenarios were served from SGLang's radix cache, by its own cached_tokens
-    for name in ("prefill_hit", "decode_hit", "branching"):
-        assert rows[name]["hit_coverage"] == 1.0, rows[name]
-    samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
-    hits = samples[samples.scenario == "prefill_hit"]
-    assert (hits.cached_tokens > 0).all() and (hits.cached_tokens < hits.prompt_tokens).all()
-    # a real bf16 engine: decode and a cold prefill differ by more than float32 rounding, and by
-    # far less than SGLang's own KL thresholds
-    for row in rows.values():
-        assert 1e-8 < row["kl_k3_mean"] < 2.5e-3, row
-    # the extend of a hit: its first 3 tokens (the conv window over the cached prefix) are far off
-    # the cold prefill, the rest of it is not (even with random weights: 10 to 16 times, measured)
+
+def _agree(report: dict, ops: set[str]) -> None:
+    """Each output and pool within 1 % of what was compared (bf16 keeps 8 bits: one unit in the
+    last place is 0.4 % to 0.8 %), and the pools really moved (a state left alone is no test)."""
+    for name in ops:
+        cases = {k: v for k, v in report.items() if k.split(" ")[0] == name}
+        assert cases, name
+        for case, fields in cases.items():
+            assert "unavailable" not in fields, (case, fields)
+            for field, d in fields.items():
+                if field == "moved":
+                    assert d["max_abs_diff"] > 0.1, (case, d)
+                else:
+                    assert d["max_abs_diff"] <= 0.01 * max(d["scale"], 1e-3), (case, field, d)
+
+
+def test_the_reference_ops_agree_with_the_portable_kernel_build(sglang_python):
+    """The environment's own ``sgl_kernel`` (x86-64-v3, any CPU): its portable ops agree with the
+    reference ops; the others raise when called, which is why the reference ops replace them."""
+    report = _ops_against_kernel(sglang_python)
+    assert "site-packages" in report["sgl_kernel"]
+    for name, fn in OPS.items():  # each takes the kernel's arguments, by name and position
+        assert report["schemas"][name] == list(inspect.signature(fn).parameters), name
+    _agree(report, PORTABLE)
+    for name in set(OPS) - PORTABLE:
+        assert "unavailable" in report[name], (name, report[name])
+
+
+def test_the_reference_ops_agree_with_every_kernel_op(sglang_python, kernel_dir):
+    report = _ops_against_kernel(sglang_python, kernel_dir)
+    assert report["sgl_kernel"].startswith(str(kernel_dir))
+    _agree(report, set(OPS))
+
+
+def _evaluate(python: Path, model: Path, names: list[str], out: Path, cpu_ops: str):
+    matrix = load_matrix("sglang-cpu").with_cpu_ops(cpu_ops)
+    matrix.workload.num_prompts = 4
+    spec = EngineSpec(kind="sglang", python=str(python), startup_timeout=300)
+    configs, prompts = prepare(matrix, spec, model_override=str(model))
+    chosen = [c for c in configs if c.name in names]
+    assert len(chosen) == len(names)
+    return evaluate(matrix, chosen, prompts, spec, out, Console(quiet=True))
+
+
+def _extend_k3(samples: pd.DataFrame) -> tuple[float, float]:
+    """The mean k3 of the first 3 extend tokens of hit samples (the conv window over the cached
+    prefix) and of the rest of their extends."""
     hits = samples[samples.scenario.isin(["prefill_hit", "branching"]) & (samples.extend_tokens > 3)]
     head, rest = [], []
     for lp, ref in zip(hits.extend_logprobs, hits.extend_reference_logprobs, strict=True):
         k3 = k3_per_token(np.asarray(lp, float), np.asarray(ref, float))
         head.append(k3[:3].mean())
         rest.append(k3[3:].mean())
-    assert len(head) >= 4 and np.mean(head) > 3 * np.mean(rest), (np.mean(head), np.mean(rest))
+    assert len(head) >= 4
+    return float(np.mean(head)), float(np.mean(rest))
+
+
+def test_real_sglang_serves_a_hybrid_model_through_the_harness_on_the_reference_ops(
+        sglang_python, qwen3_next, tmp_path, monkeypatch):
+    monkeypatch.setenv(MARK, tmp_path.name)  # marks the engine processes (they inherit it)
+    results = _evaluate(sglang_python, qwen3_next, [CONFIG, CHUNKED], tmp_path / "out",
+                        "reference")
+    for result in results:
+        assert result.command[1:3] == ["-m", "sglang.launch_server"]
+        # what SGLang itself resolved, from its /server_info
+        assert result.resolved_args["mamba_radix_cache_strategy"] == "no_buffer"
+        assert result.resolved_args["disable_overlap_schedule"] is True
+        assert result.resolved_args["device"] == "cpu"
+        assert result.resolved_args["attention_backend"] == "torch_native"
+    rows = summary_rows(results)
+    # every scenario of every config passes, hits included
+    assert {(r["config"], r["scenario"]) for r in rows} == {
+        (c.config, s) for c in results for s in ("cold", "prefill_hit", "decode_hit", "branching")}
+    assert all(r["verdict"] == "pass" for r in rows), rows
+    for r in rows:
+        if r["scenario"] != "cold":  # served from SGLang's radix cache, by its own cached_tokens
+            assert r["hit_coverage"] == 1.0, r
+        # a real bf16 engine: decode and a cold prefill differ by more than float32 rounding,
+        # and by far less than SGLang's own KL thresholds
+        assert 1e-8 < r["kl_k3_mean"] < 2.5e-3, r
+    samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
+    hits = samples[samples.scenario == "prefill_hit"]
+    assert (hits.cached_tokens > 0).all() and (hits.cached_tokens < hits.prompt_tokens).all()
+    # the extend's first tokens, computed from the conv state of the cached prefix, are as close
+    # to the cold prefill as the rest (the kernel path's are not: below)
+    head, rest = _extend_k3(samples)
+    assert head < 3 * rest + 1e-6, (head, rest)
+    assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
+
+
+def test_the_kernel_path_gets_the_extend_wrong_where_the_conv_window_covers_the_prefix(
+        sglang_python, kernel_dir, qwen3_next, tmp_path, monkeypatch):
+    monkeypatch.setenv(MARK, tmp_path.name)
+    [result] = _evaluate(sglang_python, qwen3_next, [CONFIG], tmp_path / "out", "kernel")
+    assert result.resolved_args["device"] == "cpu"
+    assert result.resolved_args["attention_backend"] != "torch_native"
+    rows = {r["scenario"]: r for r in summary_rows([result])}
+    # judged, every one (the hit scenarios may fail on the kernel's conv defect)
+    assert {r["verdict"] for r in rows.values()} <= {"pass", "fail"}, rows
+    assert rows["cold"]["verdict"] == "pass", rows["cold"]
+    for name in ("prefill_hit", "decode_hit", "branching"):
+        assert rows[name]["hit_coverage"] == 1.0, rows[name]
+    # the extend of a hit: its first 3 tokens (the conv window over the cached prefix) are far off
+    # the cold prefill, the rest of it is not (even with random weights: 10 to 16 times, measured)
+    head, rest = _extend_k3(pd.read_parquet(tmp_path / "out" / "samples.parquet"))
+    assert head > 3 * rest, (head, rest)
     assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
 
 
@@ -115,18 +215,20 @@ def k3_per_token(decode: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return np.exp(logr) - 1 - logr
 
 
-def test_the_kernel_build_misreads_the_conv_state_an_extend_starts_from(sglang_python):
+def test_the_kernel_ignores_the_conv_state_an_extend_starts_from(sglang_python, kernel_dir):
     """``causal_conv1d_fwd_cpu`` over a prefix and then the rest from the conv state the prefix
-    left, in SGLang's own CPU pool layout: the state holds the right tokens, yet the first width-1
-    outputs of the rest differ from a one-pass conv by whole units, and the others not at all."""
-    out = subprocess.run([str(sglang_python), str(ROOT / "tests" / "data" / "sglang"
-                                                  / "conv1d_initial_state.py")],
+    left, in SGLang's own CPU pool layout, on its varlen path (the one SGLang takes): the state
+    holds the right tokens, yet the first width-1 outputs of the rest differ from a one-pass conv
+    by whole units, and are exactly the conv from a zero state; the others are exact."""
+    env = {**os.environ, "PYTHONPATH": str(kernel_dir), "SGLANG_USE_CPU_ENGINE": "1",
+           "EVALSVC_CPU_OPS": "kernel"}
+    out = subprocess.run([str(sglang_python), str(DATA / "conv1d_initial_state.py")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     width, diff = result["width"], result["max_difference_per_position"]
     assert result["state_holds_prefix_tail"]
     assert all(d == 0.0 for d in diff[width - 1:]), diff
-    assert min(diff[:width - 1]) > 0.5, (
-        f"the kernel now reads an initial conv state right ({diff}): update the README's and "
-        "BENCHMARKS.md's account of real SGLang on this CPU, and this test")
+    assert min(diff[:width - 1]) > 0.5 and max(result["max_difference_from_zero_state"]) == 0, (
+        f"the kernel now reads an initial conv state ({result}): update the README's and "
+        "BENCHMARKS.md's account of real SGLang on this CPU (upstream PR #29068), and this test")

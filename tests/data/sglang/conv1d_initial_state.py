@@ -3,7 +3,8 @@
 ``--device cpu``) over a sequence at once, and over its prefix and then the rest from the conv state
 the prefix left, in SGLang's own CPU layout of the conv-state pool. Prints, as JSON, whether that
 state holds the prefix's last width-1 tokens and, per position of the rest, the largest difference
-from the one-pass result (0 where the split computes what the one pass does)."""
+from the one-pass result (0 where the split computes what the one pass does) and from the rest
+convolved from a zero state (0 where the kernel ignores the state it was given)."""
 
 import json
 
@@ -36,5 +37,7 @@ conv(tokens[:PREFIX], states, False)
 held = bool(torch.equal(states[0].float(), tokens[PREFIX - WIDTH + 1:PREFIX].t().float()))
 split = conv(tokens[PREFIX:], states, True)
 diff = (split - once[PREFIX:]).abs().max(dim=1).values
+zero = (split - conv(tokens[PREFIX:], pool(), False)).abs().max(dim=1).values
 print(json.dumps({"width": WIDTH, "state_holds_prefix_tail": held,
-                  "max_difference_per_position": [float(d) for d in diff]}))
+                  "max_difference_per_position": [float(d) for d in diff],
+                  "max_difference_from_zero_state": [float(d) for d in zero]}))

@@ -1,0 +1,233 @@
+"""The reference ops real SGLang serves its gated-deltanet layers with on any CPU
+(``evalsvc.engines.sglang_cpu_ops``), each against a plain loop written here from the ops'
+definitions, in SGLang's own layouts: pooled states by slot index, the SSM state ``[HV, V, K]`` as
+SGLang allocates it (``o = S q``, ``S <- S + beta (v - S k) k^T``, the GPU kernels' convention),
+conv states ``[dim, width - 1]``. And the properties that make a prefix hit right: an extend split
+in two, from the state the first part left, computes what one pass does, a short extend included.
+
+Against the kernel ops themselves (in the SGLang CPU environment): test_sglang_cpu_server.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evalsvc.engines import sglang_cpu_ops as ops
+
+torch.manual_seed(0)
+DIM, WIDTH, HK, HV, DK, DV = 16, 4, 2, 4, 8, 12  # K != V: the pool layout matters
+
+
+def conv_loop(x, weight, bias, state, silu=True):
+    """Causal depthwise conv token by token: out[:, t] = sum_j w[:, j] * window[:, t + j]."""
+    window = torch.cat([state.float(), x.float()], dim=1)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    for t in range(x.shape[1]):
+        y = (weight.float() * window[:, t:t + WIDTH]).sum(1) + bias.float()
+        out[:, t] = F.silu(y) if silu else y
+    return out, window[:, -(WIDTH - 1):]
+
+
+def delta_rule_loop(q, k, v, g, beta, state):
+    """Per token and head: S <- exp(g) S; S <- S + beta (v - S k) k^T; o = S (q / sqrt(K)), with q
+    and k l2-normalized, key head h // (HV / HK) for value head h; state [HV, V, K]."""
+    state = state.clone().float()
+    out = torch.empty(q.shape[0], HV, DV)
+    for t in range(q.shape[0]):
+        for h in range(HV):
+            kh = k[t, h // (HV // HK)].float()
+            qh = q[t, h // (HV // HK)].float()
+            kh = kh / torch.sqrt((kh * kh).sum() + 1e-6)
+            qh = qh / torch.sqrt((qh * qh).sum() + 1e-6)
+            s = state[h] * torch.exp(g[t, h])
+            s = s + beta[t, h] * torch.outer(v[t, h].float() - s @ kh, kh)
+            state[h] = s
+            out[t, h] = s @ (qh * DK ** -0.5)
+    return out, state
+
+
+def test_the_conv_forward_from_pooled_states_is_the_token_loop():
+    slots, initial = [4, 1, 3], [True, True, False]  # 5, 2 and 9 tokens
+    cu = torch.tensor([0, 5, 7, 16], dtype=torch.int32)
+    x, w, b = torch.randn(DIM, 16), torch.randn(DIM, WIDTH), torch.randn(DIM)
+    pool = torch.randn(6, DIM, WIDTH - 1)
+    start = pool.clone()
+    out = ops.causal_conv1d_fwd_cpu(x, w, b, pool, cu, torch.tensor(slots, dtype=torch.int32),
+                                    torch.tensor(initial), True, -1, False)
+    for i, slot in enumerate(slots):
+        s, e = cu[i].item(), cu[i + 1].item()
+        head = start[slot] if initial[i] else torch.zeros(DIM, WIDTH - 1)
+        want, state = conv_loop(x[:, s:e], w, b, head)
+        torch.testing.assert_close(out[:, s:e], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[slot], state)  # a 2-token extend keeps an old input
+    for other in (0, 2, 5):
+        assert torch.equal(pool[other], start[other])
+
+
+def test_a_padded_conv_row_is_left_alone():
+    pool = torch.randn(3, DIM, WIDTH - 1)
+    start = pool.clone()
+    ops.causal_conv1d_fwd_cpu(torch.randn(DIM, 4), torch.randn(DIM, WIDTH), None, pool,
+                              torch.tensor([0, 4], dtype=torch.int32),
+                              torch.tensor([-1], dtype=torch.int32), torch.tensor([True]), True,
+                              -1, False)
+    assert torch.equal(pool, start)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 7])
+def test_a_conv_extend_split_anywhere_computes_what_one_pass_does(cut):
+    """What the kernel's varlen path gets wrong (upstream PR #29068): the rest of a sequence,
+    started from the conv state its prefix left, equals the one-pass conv at every position."""
+    x, w, b = torch.randn(DIM, 12), torch.randn(DIM, WIDTH), torch.randn(DIM)
+    one = torch.zeros(1, DIM, WIDTH - 1)
+    whole = ops.causal_conv1d_fwd_cpu(x, w, b, one, torch.tensor([0, 12], dtype=torch.int32),
+                                      torch.tensor([0], dtype=torch.int32), torch.tensor([False]),
+                                      True, -1, False)
+    pool = torch.zeros(1, DIM, WIDTH - 1)
+    parts = []
+    for s, e, initial in ((0, cut, False), (cut, 12, True)):
+        parts.append(ops.causal_conv1d_fwd_cpu(
+            x[:, s:e].contiguous(), w, b, pool, torch.tensor([0, e - s], dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32), torch.tensor([initial]), True, -1, False))
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole)
+    torch.testing.assert_close(pool, one)
+
+
+def test_the_conv_update_is_one_step_of_the_forward():
+    w, b = torch.randn(DIM, WIDTH), torch.randn(DIM)
+    pool = torch.randn(5, DIM, WIDTH - 1)
+    start = pool.clone()
+    x = torch.randn(3, DIM)
+    slots = torch.tensor([2, -1, 4], dtype=torch.int32)
+    out = ops.causal_conv1d_update_cpu(x, pool, w, b, True, None, slots, -1, False)
+    for row, slot in ((0, 2), (2, 4)):
+        want, state = conv_loop(x[row][:, None], w, b, start[slot])
+        torch.testing.assert_close(out[row], want[:, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[slot], state)
+    assert torch.equal(out[1], torch.zeros(DIM))  # the padded row
+    for other in (0, 1, 3):
+        assert torch.equal(pool[other], start[other])
+
+
+def _gdn_inputs(length):
+    q, k = torch.randn(1, length, HK, DK), torch.randn(1, length, HK, DK)
+    v = torch.randn(1, length, HV, DV)
+    g, beta = -torch.rand(1, length, HV), torch.rand(1, length, HV)
+    return q, k, v, g, beta
+
+
+def test_the_chunked_delta_rule_is_the_token_loop_from_and_into_the_pool():
+    slots = [2, 0, 3]  # 3, 150 (past two chunks of 64) and 1 tokens
+    cu = torch.tensor([0, 3, 153, 154], dtype=torch.int32)
+    q, k, v, g, beta = _gdn_inputs(154)
+    pool = torch.randn(5, HV, DV, DK) * 0.1
+    start = pool.clone()
+    out, finals = ops.chunk_gated_delta_rule_cpu(q, k, v, g, beta, pool, True, cu, False, True,
+                                                 torch.tensor(slots, dtype=torch.int32))
+    assert out.shape == v.shape and finals.shape == (3, HV, DV, DK)
+    for i, slot in enumerate(slots):
+        s, e = cu[i].item(), cu[i + 1].item()
+        want, state = delta_rule_loop(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e],
+                                      start[slot])
+        torch.testing.assert_close(out[0, s:e], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slot], state, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(finals[i], state, rtol=1e-4, atol=1e-4)
+    for other in (1, 4):
+        assert torch.equal(pool[other], start[other])
+
+
+def test_an_extend_then_decode_steps_compute_what_one_extend_does():
+    """A prefix hit's path: an extend into the pool, then fused decode steps from it, equal one
+    extend over all the tokens, output by output and in the state left."""
+    n, steps = 40, 3
+    q, k, v, g, beta = _gdn_inputs(n + steps)
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV)
+    a, b = torch.randn(n + steps, HV), torch.randn(n + steps, HV)
+    g = (-A_log.exp() * F.softplus(a + dt_bias))[None]
+    beta = torch.sigmoid(b)[None]
+    one = torch.zeros(1, HV, DV, DK)
+    whole, _ = ops.chunk_gated_delta_rule_cpu(q, k, v, g, beta, one, True,
+                                              torch.tensor([0, n + steps], dtype=torch.int32),
+                                              False, True, torch.tensor([0], dtype=torch.int32))
+    pool = torch.zeros(1, HV, DV, DK)
+    first, _ = ops.chunk_gated_delta_rule_cpu(q[:, :n], k[:, :n], v[:, :n], g[:, :n],
+                                              beta[:, :n], pool, True,
+                                              torch.tensor([0, n], dtype=torch.int32), False,
+                                              True, torch.tensor([0], dtype=torch.int32))
+    torch.testing.assert_close(first, whole[:, :n], rtol=1e-4, atol=1e-4)
+    for t in range(n, n + steps):
+        out = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log, dt_bias, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[t:t + 1], b[t:t + 1],
+            pool, torch.tensor([0], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            True)
+        assert out.shape == (1, 1, HV, DV)  # [T, 1, HV, V], as the kernel returns it
+        torch.testing.assert_close(out[0, 0], whole[0, t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool, one, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_rows_each_take_their_own_slot_and_padded_rows_are_skipped():
+    q, k, v, _, _ = _gdn_inputs(3)
+    a, b = torch.randn(3, HV), torch.randn(3, HV)
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV)
+    pool = torch.randn(4, HV, DV, DK) * 0.1
+    start = pool.clone()
+    slots = [3, -1, 0]
+    out = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log, dt_bias, q, k, v, a, b, pool, torch.tensor(slots, dtype=torch.int32),
+        torch.arange(4, dtype=torch.int32), True)
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    for row, slot in ((0, 3), (2, 0)):
+        want, state = delta_rule_loop(q[0, row:row + 1], k[0, row:row + 1], v[0, row:row + 1],
+                                      g[row:row + 1], torch.sigmoid(b[row:row + 1]), start[slot])
+        torch.testing.assert_close(out[row, 0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[slot], state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1], torch.zeros(1, HV, DV))
+    for other in (1, 2):
+        assert torch.equal(pool[other], start[other])
+
+
+def test_the_gates_norm_and_shared_expert_gate_follow_their_formulas():
+    a, b = torch.randn(7, HV).bfloat16(), torch.randn(7, HV).bfloat16()
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV)
+    g, beta = ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    assert g.shape == beta.shape == (1, 7, HV) and g.dtype == torch.float32
+    assert beta.dtype == torch.bfloat16
+    torch.testing.assert_close(g[0], -A_log.exp() * torch.log1p((a.float() + dt_bias).exp()))
+    torch.testing.assert_close(beta[0], torch.sigmoid(b.float()).bfloat16())
+    x, z, w = torch.randn(5, DK), torch.randn(5, DK), torch.randn(DK)
+    rms = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(ops.fused_rmsnorm_gated_cpu(x, w, z, 1e-6),
+                               rms * w * z * torch.sigmoid(z))
+    h, gate_w, shared = torch.randn(5, DIM), torch.randn(DIM), torch.randn(5, DIM)
+    final = torch.randn(5, DIM)
+    want = final + torch.sigmoid(h @ gate_w)[:, None] * shared
+    ops.fused_gate_sigmoid_mul_add(h, gate_w, shared, final)
+    torch.testing.assert_close(final, want)
+
+
+def test_the_reference_ops_keep_the_kernels_schemas():
+    """Each replaces a kernel op of the same name, so each takes the kernel schema's arguments
+    (``sgl_kernel``'s torch_extension_cpu.cpp, as SGLang 0.5.17 calls them) by position."""
+    import inspect
+
+    schemas = {  # the kernel's argument names, in order
+        "causal_conv1d_fwd_cpu": ["x", "weight", "bias", "conv_states", "query_start_loc",
+                                  "cache_indices", "has_initial_state", "silu_activation",
+                                  "pad_slot_id", "is_vnni"],
+        "causal_conv1d_update_cpu": ["x", "conv_states", "weight", "bias", "silu_activation",
+                                     "cache_seqlens", "conv_state_indices", "pad_slot_id",
+                                     "is_vnni"],
+        "fused_gdn_gating_cpu": ["A_log", "a", "b", "dt_bias"],
+        "chunk_gated_delta_rule_cpu": ["query", "key", "value", "g", "beta", "initial_state",
+                                       "output_final_state", "cu_seqlens", "head_first",
+                                       "use_qk_l2norm_in_kernel", "initial_state_indices", "eps"],
+        "fused_sigmoid_gating_delta_rule_update_cpu": [
+            "A_log", "dt_bias", "q", "k", "v", "a", "b", "initial_state_source",
+            "initial_state_indices", "cu_seqlens", "use_qk_l2norm_in_kernel", "softplus_beta",
+            "softplus_threshold"],
+        "fused_rmsnorm_gated_cpu": ["input", "weight", "gate", "eps"],
+    }
+    assert set(ops.OPS) == set(schemas)
+    for name, fn in ops.OPS.items():
+        assert list(inspect.signature(fn).parameters) == schemas[name], name
