@@ -416,7 +416,10 @@ def base_env_info(python: str) -> dict[str, Any]:
             "dirs = [paths['purelib'], paths['platlib'], *site.getsitepackages()]\n"
             "out['site_dirs'] = list(dict.fromkeys(dirs))\n"
             "print(json.dumps(out))")
-    proc = children.run([python, "-c", code], capture_output=True, text=True)
+    try:
+        proc = children.run([python, "-c", code], capture_output=True, text=True)
+    except OSError as exc:
+        raise BuildError(f"base python {python}: cannot run it ({exc.strerror})") from None
     if proc.returncode != 0:
         raise BuildError(f"base python {python}: cannot run it ({proc.stderr.strip()[-200:]})")
     try:
