@@ -1,11 +1,13 @@
 """Engine builds: SGLang at a release, a git commit or a local tree, with known fixes patched in.
 
-SGLang's Python package is pure Python, so a build is a directory holding one ``sglang`` package
-(unpacked from a release wheel, exported from a git commit, or copied from a local tree) that is
-put first on ``PYTHONPATH`` of a base environment holding the native parts (torch, kernels). Each
-build is probed for the known fixes before and after its patches, and keeps a manifest of what it
-is. Builds are cached by (source, commit or version, patch set): a second request reuses the
-directory; a failed build leaves nothing behind.
+A build is a directory holding one ``sglang`` package (every file of a release wheel's
+``sglang/``: Python, data, headers and compiled extensions, with their modes; or a git commit's or
+a local tree's package as it is) that is put first on ``PYTHONPATH`` of a base environment holding
+the other native parts (torch, kernels). Each build is probed for the known fixes before and after
+its patches, and keeps a manifest of what it is, its native parts included (``builds.native``: a
+source tree's Rust extensions are not compiled, and the manifest says so). Builds are cached by
+(build format, source, commit or version, patch set): a second request reuses the directory; a
+failed build leaves nothing behind.
 
 Sources:
 
@@ -18,6 +20,7 @@ Sources:
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import json
 import os
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from base64 import urlsafe_b64encode
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,10 +41,14 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from evalsvc import children
+from evalsvc.builds.native import NativeError, cpu_kernel, native_section
 from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
 from evalsvc.builds.probes import SourceTreeError, probe_all
 
 MANIFEST = "manifest.json"
+# what a build holds and how its manifest reads; part of the build key, so a build made by an older
+# evalsvc (format 1: a release's .py files alone) is never reused
+BUILD_FORMAT = 2
 # a build or mirror clone in the making older than this was left by a process that was killed
 LEFTOVER_SECONDS = 24 * 3600
 
@@ -102,8 +110,8 @@ class Build:
 
 
 def build_key(source: Source, resolved_ref: str | None, patches: list[str]) -> str:
-    ident = json.dumps({"kind": source.kind, "location": source.location, "ref": resolved_ref,
-                        "patches": sorted(set(patches))}, sort_keys=True)
+    ident = json.dumps({"format": BUILD_FORMAT, "kind": source.kind, "location": source.location,
+                        "ref": resolved_ref, "patches": sorted(set(patches))}, sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -127,7 +135,14 @@ def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
     try:
         site = work / "site"
         site.mkdir()
-        _fetch(source, resolved, site, root)
+        fetched = _fetch(source, resolved, site, root, scratch=work / "tree")
+        base_env = base_env_info(base_python) if base_python else None
+        try:
+            native = native_section(source.kind, site, fetched.tree,
+                                    base_env.get("python") if base_env else None)
+        except NativeError as exc:
+            raise BuildError(f"source {source.label}: {exc}") from None
+        shutil.rmtree(work / "tree", ignore_errors=True)
         try:
             before = [asdict(r) for r in probe_all(site)]
         except SourceTreeError as exc:
@@ -140,13 +155,16 @@ def make_build(source_text: str, patches: list[str] | tuple[str, ...] = (),
                 raise BuildError(f"patch {name!r} does not apply to {source.label}: {exc}") from None
             changed.extend(asdict(f) for f in result.changed)
         after = [asdict(r) for r in probe_all(site)]
+        files = package_files(site)
         manifest = {
-            "key": key, "source": source.label, "kind": source.kind, "location": source.location,
+            "key": key, "format": BUILD_FORMAT, "source": source.label, "kind": source.kind,
+            "location": source.location,
             "commit" if source.kind == "git" else "version": resolved,
+            **({"wheel": fetched.wheel} if fetched.wheel else {}),
             "patches": patches, "probes_before": before, "probes_after": after,
-            "files_changed": changed, "package_hash": _tree_hash(site / "sglang"),
-            "base_env": base_env_info(base_python) if base_python else None,
-            "created_at": datetime.now(UTC).isoformat(),
+            "files_changed": changed, "file_count": len(files),
+            "package_hash": _tree_hash(site, files), "native": native,
+            "base_env": base_env, "created_at": datetime.now(UTC).isoformat(),
         }
         text = json.dumps(manifest, indent=2, default=str).replace(str(work), str(final))
         manifest = json.loads(text)
@@ -195,36 +213,81 @@ def resolve_commit(source: Source, root: Path) -> tuple[Path, str]:
     return mirror, out.stdout.strip()
 
 
-def _fetch(source: Source, resolved: str | None, site: Path, root: Path) -> None:
+@dataclass
+class Fetched:
+    tree: Path | None = None  # a git or path source's tree (its native declarations are read there)
+    wheel: dict[str, str] | None = None  # a release's wheel: name and sha256
+
+
+def _fetch(source: Source, resolved: str | None, site: Path, root: Path, scratch: Path) -> Fetched:
+    """The source's package into ``site`` (a git commit's tree is exported to ``scratch``)."""
     if source.kind == "pypi":
         wheel = download_wheel(resolved)
-        with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.namelist() if m.startswith("sglang/") and m.endswith(".py")]
-            zf.extractall(site, members)
+        unpack_package(wheel, site)
+        fetched = Fetched(wheel={"name": wheel.name,
+                                 "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest()})
     elif source.kind == "git":
         mirror = git_mirror(source.location, root, fetch=False)  # resolved (and fetched) just before
-        with tempfile.TemporaryDirectory() as tmp:
-            archive = Path(tmp) / "tree.tar"
-            git(["archive", "--format=tar", "-o", str(archive), resolved], mirror)
-            shutil.unpack_archive(str(archive), tmp + "/tree")
-            _copy_package(Path(tmp) / "tree", site, source.label)
+        scratch.mkdir()
+        archive = scratch / "tree.tar"
+        git(["archive", "--format=tar", "-o", str(archive), resolved], mirror)
+        shutil.unpack_archive(str(archive), scratch / "tree")
+        archive.unlink()
+        fetched = Fetched(_copy_package(scratch / "tree", site, source.label))
     else:
-        _copy_package(Path(source.location), site, source.label)
+        fetched = Fetched(_copy_package(Path(source.location), site, source.label))
     if not (site / "sglang" / "__init__.py").is_file():
         raise BuildError(f"source {source.label}: no sglang package found")
+    return fetched
 
 
-def _copy_package(tree: Path, site: Path, label: str) -> None:
+def unpack_package(wheel: Path, site: Path) -> list[str]:
+    """Every member of the wheel's ``sglang/`` package into ``site``, with the modes the wheel
+    records (executable bits kept), each checked against the wheel's RECORD; the members' names.
+    BuildError naming the wheel and the member that does not match."""
+    with zipfile.ZipFile(wheel) as zf:
+        record = _wheel_record(zf, wheel)
+        members = [i for i in zf.infolist() if i.filename.startswith("sglang/") and not i.is_dir()]
+        for info in members:
+            data = zf.read(info)
+            digest = "sha256=" + urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            if record.get(info.filename) != digest:
+                raise BuildError(f"{wheel.name}: {info.filename} does not match the wheel's RECORD "
+                                 f"({record.get(info.filename) or 'not listed'})")
+            target = site / info.filename
+            if site.resolve() not in target.resolve().parents:
+                raise BuildError(f"{wheel.name}: member {info.filename!r} leaves the package")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode:
+                target.chmod(mode | 0o600)
+    return [i.filename for i in members]
+
+
+def _wheel_record(zf: zipfile.ZipFile, wheel: Path) -> dict[str, str]:
+    names = [n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)]
+    if len(names) != 1:
+        raise BuildError(f"{wheel.name}: no single .dist-info/RECORD in the wheel")
+    return {row[0]: row[1] for row in csv.reader(zf.read(names[0]).decode().splitlines())
+            if len(row) >= 2}
+
+
+def _copy_package(tree: Path, site: Path, label: str) -> Path:
+    """The tree's package copied into ``site``; the tree's root (the parent of a ``python/`` given
+    as the tree, where SGLang's ``rust/`` is beside it)."""
     for candidate in (tree / "python" / "sglang", tree / "sglang"):
         if (candidate / "__init__.py").is_file():
             shutil.copytree(candidate, site / "sglang",
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            return
+            if candidate.parent.name == "python" and (candidate.parent.parent / "rust").is_dir():
+                return candidate.parent.parent
+            return tree
     raise BuildError(f"source {label}: neither python/sglang nor sglang in {tree}")
 
 
-# SGLang's wheels carry one compiled extension from 0.5.11 on; their Python sources are the same on
-# every platform, so the CPython 3.11 manylinux x86_64 wheel serves everywhere.
+# SGLang's wheels carry compiled extensions from 0.5.11 on (see ``builds.native``), built for one
+# platform: the CPython 3.11 manylinux x86_64 wheel, what the base environments here run.
 WHEEL_PLATFORM = ["--platform", "manylinux_2_34_x86_64", "--python-version", "3.11",
                   "--implementation", "cp", "--abi", "cp311"]
 
@@ -312,10 +375,17 @@ def git_mirror(location: str, root: Path, fetch: bool = True) -> Path:
     return mirror
 
 
-def _tree_hash(path: Path) -> str:
+def package_files(site: Path) -> list[str]:
+    """Every file of the build's package, as ``sglang/...`` paths, sorted (Python's caches left
+    out: an engine may write them after the build)."""
+    return sorted(p.relative_to(site).as_posix() for p in (site / "sglang").rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts)
+
+
+def _tree_hash(site: Path, files: list[str]) -> str:
     h = hashlib.sha256()
-    for f in sorted(path.rglob("*.py")):
-        h.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
+    for name in files:
+        h.update(name.removeprefix("sglang/").encode() + b"\0" + (site / name).read_bytes())
     return h.hexdigest()
 
 
@@ -333,14 +403,29 @@ def installed_version(python: str) -> str | None:
 
 
 def base_env_info(python: str) -> dict[str, Any]:
-    """Versions of the base environment's python, torch and kernel packages."""
-    code = ("import json, platform, importlib.metadata as m\n"
-            "out = {'python': platform.python_version()}\n"
-            "for p in ('torch', 'sgl-kernel', 'sglang-kernel', 'flashinfer-python', 'triton'):\n"
+    """The base environment's native parts: versions of its python, torch and kernel packages, its
+    prefix, and for the CPU environment (``sglang-kernel-cpu``) the kernel wheel's name and sha256
+    (``cpu_kernel``, see ``native.cpu_kernel``). Asked of its python, which imports nothing."""
+    code = ("import json, platform, site, sys, sysconfig, importlib.metadata as m\n"
+            "out = {'python': platform.python_version(), 'prefix': sys.prefix}\n"
+            "for p in ('torch', 'sgl-kernel', 'sglang-kernel', 'sglang-kernel-cpu',\n"
+            "          'flashinfer-python', 'triton'):\n"
             "    try: out[p] = m.version(p)\n"
             "    except m.PackageNotFoundError: pass\n"
+            "paths = sysconfig.get_paths()\n"
+            "dirs = [paths['purelib'], paths['platlib'], *site.getsitepackages()]\n"
+            "out['site_dirs'] = list(dict.fromkeys(dirs))\n"
             "print(json.dumps(out))")
-    proc = children.run([python, "-c", code], capture_output=True, text=True)
+    try:
+        proc = children.run([python, "-c", code], capture_output=True, text=True)
+    except OSError as exc:
+        raise BuildError(f"base python {python}: cannot run it ({exc.strerror})") from None
     if proc.returncode != 0:
         raise BuildError(f"base python {python}: cannot run it ({proc.stderr.strip()[-200:]})")
-    return {"executable": python, **json.loads(proc.stdout)}
+    try:
+        info = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise BuildError(f"base python {python}: said no versions ({proc.stdout[-200:]!r})") from None
+    site_dirs = [Path(d) for d in info.pop("site_dirs", [])]
+    kernel = cpu_kernel(Path(info["prefix"]), site_dirs)
+    return {"executable": python, **info, **({"cpu_kernel": kernel} if kernel else {})}

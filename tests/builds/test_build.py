@@ -6,17 +6,19 @@ release without PR #37165): one commit as released, one with the fix as it went 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
 import zipfile
+from array import array
 from pathlib import Path
 
 import pytest
 
-from evalsvc.builds.build import BuildError, download_wheel, make_build
+from evalsvc.builds.build import BuildError, download_wheel, make_build, parse_source
 from evalsvc.builds.patches import PATCHES, apply_patch
 from evalsvc.builds.probes import FIXES
 
@@ -153,3 +155,109 @@ def test_build_cli_prints_the_manifest(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "evalsvc.cli", "build", "sglang==0.5.19", "--patch",
                           "nope"], capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode == 2 and "unknown patch 'nope'" in bad.stderr
+
+
+def wheel_members(wheel: Path) -> dict[str, zipfile.ZipInfo]:
+    with zipfile.ZipFile(wheel) as zf:
+        return {i.filename: i for i in zf.infolist()
+                if i.filename.startswith("sglang/") and not i.is_dir()}
+
+
+# 0.5.13: a small release with one compiled extension (and a tools/ folder beside sglang/, which
+# is not the package); 0.5.23: the Rust extensions, the Rust TreeCore among them
+@pytest.mark.parametrize(("version", "compiled"), [
+    ("0.5.13", ["grpc._core"]),
+    ("0.5.23", ["rust_tree_core", "bench", "grpc", "multimodal", "server"])])
+def test_a_release_build_is_every_file_of_the_wheels_package(version, compiled, tmp_path):
+    wheel = wheel_or_skip(version)
+    members = wheel_members(wheel)
+    made = make_build(f"sglang=={version}", root=tmp_path)
+    files = sorted(p.relative_to(made.site).as_posix() for p in (made.site / "sglang").rglob("*")
+                   if p.is_file())
+    assert files == sorted(members)
+    with zipfile.ZipFile(wheel) as zf:
+        h = hashlib.sha256()
+        for name in files:
+            data = zf.read(name)
+            assert (made.site / name).read_bytes() == data, name
+            h.update(name.removeprefix("sglang/").encode() + b"\0" + data)
+            executable = bool((members[name].external_attr >> 16) & 0o111)
+            assert os.access(made.site / name, os.X_OK) == executable, name
+    m = made.manifest
+    assert m["format"] == 2 and m["file_count"] == len(members)
+    assert m["package_hash"] == h.hexdigest()
+    assert m["wheel"] == {"name": wheel.name, "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest()}
+    assert [f["path"] for f in m["native"]["compiled"]] == sorted(n for n in members
+                                                                  if n.endswith(".so"))
+    assert m["native"]["declared"] == [] and m["native"]["missing"] == []
+    assert m["native"]["summary"] == (f"{len(compiled)} compiled extension"
+                                      f"{'s' if len(compiled) > 1 else ''} from the wheel "
+                                      f"({', '.join(compiled)})")
+    if version == "0.5.23":  # what sglang.kernels.jit looks for as it is imported
+        jit = made.site / "sglang" / "kernels" / "jit"
+        assert any((jit / "include").iterdir()) and any((jit / "csrc").iterdir())
+
+
+# The Rust TreeCore's extension links libtorch (its RUNPATH is torch/lib beside the package, as
+# installed), so torch is imported first, as SGLang's own loader does. Its parent packages are
+# registered with the build's directories: sglang/__init__.py imports SGLang's runtime
+# dependencies (orjson and the rest), which this project's python does not have.
+TREE_CORE_IMPORT = """
+import hashlib, sys, types
+from array import array
+import torch
+site = sys.argv[1]
+for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+    module = types.ModuleType(name)
+    module.__path__ = [site + "/" + name.replace(".", "/")]
+    sys.modules[name] = module
+import sglang.srt.mem_cache.rust_tree_core.mem_cache as core
+print(core.__file__)
+print(" ".join(core.get_hash_str(array("q", [1, 2, 3, 4]), None, 2)))
+"""
+
+
+def test_a_build_of_0_5_23_imports_its_rust_tree_core(tmp_path):
+    wheel_or_skip("0.5.23")
+    made = make_build("sglang==0.5.23", root=tmp_path)
+    out = subprocess.run([sys.executable, "-c", TREE_CORE_IMPORT, str(made.site)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    path, hashes = out.stdout.split("\n")[:2]
+    assert path == str(made.site / "sglang" / "srt" / "mem_cache" / "rust_tree_core"
+                       / "mem_cache.cpython-311-x86_64-linux-gnu.so")
+    # the core's page hashes: SHA-256 over each page's token ids (32-bit), chained
+    first = hashlib.sha256(array("i", [1, 2]).tobytes())
+    second = hashlib.sha256(first.digest() + array("i", [3, 4]).tobytes())
+    assert hashes.split() == [first.hexdigest(), second.hexdigest()]
+
+
+@pytest.mark.sglang_contract
+def test_sglangs_own_loader_takes_the_builds_rust_tree_core(tmp_path):
+    """In 0.5.23's env (SGLang's runtime dependencies), SGLang's Rust extension loader imports
+    the build's bundled TreeCore, compiling nothing."""
+    from tests.engines.test_sglang_contract import release_python
+
+    python = release_python("0.5.23")
+    made = make_build("sglang==0.5.23", root=tmp_path)
+    code = ("from sglang.srt.mem_cache.rust_tree_core.extension import bindings\n"
+            "print(bindings.__file__)")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **made.env(), "SGLANG_RUST_BUILD_MODE": "never"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(
+        made.site / "sglang" / "srt" / "mem_cache" / "rust_tree_core"
+        / "mem_cache.cpython-311-x86_64-linux-gnu.so")
+
+
+def test_a_build_of_an_older_format_is_not_reused(repo, tmp_path):
+    path, before, _ = repo
+    root = tmp_path / "builds"
+    source = parse_source(f"git:{path}@{before}")
+    old_key = hashlib.sha256(json.dumps({"kind": "git", "location": source.location,
+                                         "ref": before, "patches": []},
+                                        sort_keys=True).encode()).hexdigest()[:16]
+    (root / old_key / "site" / "sglang").mkdir(parents=True)  # format 1: no format in its key
+    (root / old_key / "manifest.json").write_text(json.dumps({"key": old_key}))
+    made = make_build(f"git:{path}@{before}", root=root)
+    assert not made.reused and made.key != old_key and made.manifest["format"] == 2
