@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.sglang_contract, pytest.mark.timeout(3600),
 def cpu_contract() -> dict[str, Any]:
     matrix = load_matrix("sglang-cpu")
     configs = {c.name: c for c in expand(matrix, sglang_version=VERSION)}
-    excluded = {c.name: c for c in excluded_configs(matrix, VERSION)}
+    excluded = {name: c for name, (c, _) in excluded_configs(matrix, VERSION).items()}
     job = {"model_path": str(MODEL_DIR), "device": "cpu", "timeout_s": 300, "host_patches": False,
            "vocab_size": json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"],
            "commands": [{"id": name, "argv": build_command(c.args, port=PORT, python="python",
