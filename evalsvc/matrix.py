@@ -64,7 +64,8 @@ SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
     "quantization", "stream_interval", "enable_mixed_chunk", "disable_custom_all_reduce",
     "max_queued_requests", "num_continuous_decode_steps", "triton_attention_num_kv_splits",
     "speculative_accept_threshold_single", "speculative_accept_threshold_acc",
-    "speculative_attention_mode", "watchdog_timeout",
+    "speculative_attention_mode", "watchdog_timeout", "cuda_graph_backend_prefill",
+    "mamba_max_states_per_path", "enable_int8_mamba_checkpoint", "int8_mamba_ckpt_size",
 })
 ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
 # SGLang's radix-tree core (0.5.19 and later: ``python`` or ``rust``; the ``radix_tree_core`` axis
@@ -146,9 +147,17 @@ def value_problem(axis: str, value: Any, models: dict[str, Any]) -> str | None:
         if not -INT32 <= value < INT32:
             return f"{value} is out of range (-1 disables; at most 2^31 - 1)"
         return None
+    if axis in POSITIVE_AXES:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{shown(value)} is not an integer"
+        if not 0 < value < INT32:
+            return f"{value} is out of range (1 to 2^31 - 1; null: the release's default)"
+        return None
     allowed = AXES[axis]
-    if axis == "radix_tree_core":
-        if value is not None and value not in allowed:
+    if axis in ("radix_tree_core", "prefill_cuda_graph"):
+        if value is not None and (not isinstance(value, str) or value not in allowed):
             return f"{shown(value)} not in {sorted(allowed)} (null: the release's default)"
         return None
     if axis == "strategy":
@@ -251,7 +260,7 @@ class ReferenceSpec(Strict):
 
 AXES = {
     "model": None,  # keys of ``models``
-    "strategy": {"no_buffer", "extra_buffer", "auto"},
+    "strategy": {"no_buffer", "extra_buffer", "extra_buffer_lazy", "auto"},
     "radix_cache": {True, False},
     "overlap": {True, False},
     "chunked_prefill": None,  # int; -1 disables
@@ -259,9 +268,20 @@ AXES = {
     "mtp": {True, False},
     "deterministic": {True, False},
     "radix_tree_core": set(TREE_CORES),  # SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND; null: default
+    # the axes of 2026's bug classes (each null or false: the release's default, no flag)
+    "mixed_chunk": {True, False},  # --enable-mixed-chunk
+    "page_size": None,  # --page-size N
+    "track_interval": None,  # --mamba-track-interval N
+    "prefill_cuda_graph": {"full", "breakable", "disabled"},  # --cuda-graph-backend-prefill
+    "mamba_max_states_per_path": None,  # --mamba-max-states-per-path N
+    "int8_mamba_checkpoint": {True, False},  # --enable-int8-mamba-checkpoint
 }
+POSITIVE_AXES = ("page_size", "track_interval", "mamba_max_states_per_path")
 DEFAULTS = {"strategy": "auto", "radix_cache": True, "overlap": True, "chunked_prefill": None,
-            "hicache": False, "mtp": False, "deterministic": False, "radix_tree_core": None}
+            "hicache": False, "mtp": False, "deterministic": False, "radix_tree_core": None,
+            "mixed_chunk": False, "page_size": None, "track_interval": None,
+            "prefill_cuda_graph": None, "mamba_max_states_per_path": None,
+            "int8_mamba_checkpoint": False}
 
 
 class MatrixFile(Strict):
@@ -637,7 +657,8 @@ def applies(scenario: str, settings: dict[str, Any]) -> bool:
 
 def config_name(s: dict[str, Any]) -> str:
     parts = [s["model"], "noradix" if not s["radix_cache"] else
-             {"no_buffer": "nb", "extra_buffer": "eb", "auto": "auto"}[s["strategy"]],
+             {"no_buffer": "nb", "extra_buffer": "eb", "extra_buffer_lazy": "ebl",
+              "auto": "auto"}[s["strategy"]],
              "ov" if s["overlap"] else "sync"]
     if s["chunked_prefill"] is not None:
         parts.append("nochunk" if s["chunked_prefill"] <= 0 else f"c{s['chunked_prefill']}")
@@ -647,6 +668,18 @@ def config_name(s: dict[str, Any]) -> str:
         parts.append("mtp")
     if s["deterministic"]:
         parts.append("det")
+    if s.get("mixed_chunk"):
+        parts.append("mixed")
+    if s.get("page_size") is not None:
+        parts.append(f"p{s['page_size']}")
+    if s.get("track_interval") is not None:
+        parts.append(f"t{s['track_interval']}")
+    if s.get("prefill_cuda_graph") is not None:
+        parts.append(f"pcg{s['prefill_cuda_graph']}")
+    if s.get("mamba_max_states_per_path") is not None:
+        parts.append(f"ms{s['mamba_max_states_per_path']}")
+    if s.get("int8_mamba_checkpoint"):
+        parts.append("int8ckpt")
     if s.get("radix_tree_core") is not None:
         parts.append({"python": "pycore", "rust": "rustcore"}[s["radix_tree_core"]])
     return "-".join(parts)
@@ -684,7 +717,18 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
                      "speculative_num_draft_tokens": m.num_draft_tokens or m.num_steps + 1})
     if s["deterministic"]:
         args["enable_deterministic_inference"] = True
+    for axis, arg in AXIS_ARGS.items():
+        if s.get(axis) is not None and s.get(axis) is not False:
+            args[arg] = s[axis]
     return args
+
+
+# axes that are one ServerArgs field each (set when not null or false)
+AXIS_ARGS = {"mixed_chunk": "enable_mixed_chunk", "page_size": "page_size",
+             "track_interval": "mamba_track_interval",
+             "prefill_cuda_graph": "cuda_graph_backend_prefill",
+             "mamba_max_states_per_path": "mamba_max_states_per_path",
+             "int8_mamba_checkpoint": "enable_int8_mamba_checkpoint"}
 
 
 @lru_cache(maxsize=64)

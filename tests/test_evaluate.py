@@ -37,10 +37,13 @@ def test_dry_run_prints_each_sglang_command_for_the_release():
     assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
     new_env = [json.loads(x) for x in new.stdout.splitlines()]
     old_env = [json.loads(x) for x in old.stdout.splitlines()]
-    assert len(new_env) == 48 and len(old_env) == 20
-    # each radix-tree core on the newest release; the Python one only before 0.5.19
-    assert {argv[1] for argv in new_env} == {f"{TREE_CORE}=python", f"{TREE_CORE}=rust"}
-    assert {argv[1] for argv in old_env} == {f"{TREE_CORE}=python"}
+    assert len(new_env) == 57 and len(old_env) == 23
+    # each radix-tree core on the newest release; the Python one only before 0.5.19; the include
+    # entries on the release's default core
+    assert {argv[1] for argv in new_env if argv[0] == "env"} == {f"{TREE_CORE}=python",
+                                                                 f"{TREE_CORE}=rust"}
+    assert {argv[1] for argv in old_env if argv[0] == "env"} == {f"{TREE_CORE}=python"}
+    assert sum(argv[0] != "env" for argv in new_env) == 9
     new_lines, old_lines = map(without_env, new_env), map(without_env, old_env)
     new_lines, old_lines = list(new_lines), list(old_lines)
     assert all(argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
@@ -61,7 +64,7 @@ def test_dry_run_spells_the_release_installed_in_the_engine_python(tmp_path):
     out = evalsvc("run", "mamba-full", "--dry-run", "--engine-python", str(python))
     assert out.returncode == 0, out.stderr
     lines = [without_env(json.loads(x)) for x in out.stdout.splitlines()]
-    assert len(lines) == 20 and all(argv[0] == str(python) for argv in lines)
+    assert len(lines) == 23 and all(argv[0] == str(python) for argv in lines)
     assert all("--mamba-scheduler-strategy" in argv and "--mamba-radix-cache-strategy" not in argv
                for argv in lines)
 

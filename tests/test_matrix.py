@@ -40,7 +40,7 @@ def test_shipped_matrices_load_and_expand():
     assert len(configs) >= 8
     assert {c.model for c in configs} == {"mamba2", "gdn"}
     full = expand(load_matrix("mamba-full"))
-    assert len(full) == 48
+    assert len(full) == 57
     assert not any(c.settings["strategy"] == "no_buffer" and c.settings["overlap"] for c in full)
 
 
@@ -61,7 +61,8 @@ def test_version_conditional_exclusion():
     old = {c.name for c in expand(full, sglang_version="0.5.13")}
     assert old < new
     assert all(("-nb-" in n and n.endswith("mtp-pycore")) or n.endswith("-rustcore")
-               for n in new - old)
+               or re.search(r"-(pcgfull|ms2|int8ckpt)$|-mtp(-mixed)?$", n) for n in new - old), (
+        new - old)
     assert not any(n.endswith("-rustcore") for n in old)  # no Rust tree core before 0.5.19
 
 
@@ -277,3 +278,28 @@ def test_include_entries_list_values_and_excludes_apply_to_them():
                             r"exclude\[0\]\.reason: a reason is a text")]:
         with pytest.raises(ValidationError, match=problem):
             MatrixFile.model_validate({**BASE, **entry})
+
+
+def test_the_2026_axes_are_sglang_server_args_and_name_their_configs():
+    m = load_matrix("mamba-full")
+    args = {c.name: c.args for c in expand(m, sglang_version="0.5.23")}
+    assert args["qwen3-next-eb-ov-c512-mtp-mixed"]["enable_mixed_chunk"] is True
+    assert args["qwen3-next-ebl-ov-c512"]["mamba_radix_cache_strategy"] == "extra_buffer_lazy"
+    assert args["qwen3-next-eb-ov-c512-pcgfull"]["cuda_graph_backend_prefill"] == "full"
+    assert args["qwen3-next-eb-ov-c512-ms2"]["mamba_max_states_per_path"] == 2
+    assert args["qwen3-next-eb-ov-c512-int8ckpt"]["enable_int8_mamba_checkpoint"] is True
+    paged = args["qwen3-next-eb-sync-c512-p64-t128"]
+    assert (paged["page_size"], paged["mamba_track_interval"]) == (64, 128)
+    # refused combinations stay out: int8 checkpoints with HiCache, no_buffer with pages
+    assert "qwen3-next-eb-ov-c512-hicache-int8ckpt" not in args
+    assert "qwen3-next-nb-sync-c512-p64-t128" not in args
+    assert all(e.get("reason") for e in m.exclude)
+    # a config that sets none of them keeps the fingerprint it had
+    plain = MatrixFile.model_validate({**BASE, "axes": {"strategy": ["extra_buffer"]}})
+    point = {"model": "m", "strategy": "extra_buffer", "mixed_chunk": False, "page_size": None,
+             "prefill_cuda_graph": None, "int8_mamba_checkpoint": False}
+    assert make_config(plain, point).fingerprint == expand(plain)[0].fingerprint
+    for axis, value in [("page_size", 0), ("track_interval", "x"), ("prefill_cuda_graph", "eager"),
+                        ("mamba_max_states_per_path", -1), ("mixed_chunk", "yes")]:
+        with pytest.raises(ValidationError, match=axis):
+            MatrixFile.model_validate({**BASE, "include": [{axis: value}]})
