@@ -45,7 +45,14 @@ def prepare(matrix: MatrixFile, spec: EngineSpec, model_override: str | None = N
 
 
 def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]:
-    return [engine_command(spec, c.args, port=30000) for c in configs]
+    """Each config's command line, behind ``env VAR=VALUE ...`` where its engine gets variables
+    (the matrix's ``engine_env``, the radix-tree core)."""
+    commands = []
+    for c in configs:
+        env = [f"{k}={v}" for k, v in sorted(c.env.items())]
+        commands.append([*(["env", *env] if env else []),
+                         *engine_command(spec, c.args, port=30000)])
+    return commands
 
 
 def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
@@ -107,7 +114,7 @@ class References:
             return None
         if model not in self.servers:
             cfg = make_config(self.matrix, {**(ref.config or {}), "model": model})
-            proc = launch(self.spec.with_env(self.matrix.engine_env), cfg.args, free_port(),
+            proc = launch(self.spec.with_env(cfg.env), cfg.args, free_port(),
                           inside(self.log_dir, f"reference-{model}.log"))
             self.servers[model] = (proc, EngineClient(
                 proc.base_url, concurrency=self.matrix.workload.concurrency))

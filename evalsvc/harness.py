@@ -28,7 +28,14 @@ from evalsvc import judging, metrics
 from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.client import EngineClient, ScenarioError
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
-from evalsvc.engines.sglang_server import parse_server_info, resolved_mismatches
+from evalsvc.engines.sglang_server import (
+    QUIET_LOG_LEVELS,
+    TREE_CORE_ENV,
+    parse_server_info,
+    parse_tree_core,
+    resolved_mismatches,
+    tree_core_mismatch,
+)
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, Sample
@@ -190,7 +197,7 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
     """Run every scenario of one config on a fresh engine (or one ``engines`` kept), within the
     run's deadline (``run_timeout``: engine start-up included)."""
     t0 = time.monotonic()
-    spec = spec.with_env(matrix.engine_env)
+    spec = spec.with_env({**matrix.engine_env, **config.env})
     result = config.unrun("error")  # until it has scored
     log_path = inside(log_dir, f"{config.name}.log") if log_dir else None
     result.log_path = str(log_path) if log_path else None
@@ -268,6 +275,13 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
     resolved = parse_server_info(client.server_info())
     result.resolved_args = {k: v for k, v in resolved.items() if not isinstance(v, dict | list)}
     problems = resolved_mismatches(config.args, resolved)
+    if not config.args.get("disable_radix_cache"):  # no radix tree, no tree core
+        asked = {**matrix.engine_env, **config.env}.get(TREE_CORE_ENV)
+        core, why_unknown = tree_core(proc, config, engine, resolved.get("version"))
+        result.resolved_args.update(core)
+        mismatch = tree_core_mismatch(asked, core, why_unknown)
+        if mismatch:
+            problems.append(mismatch)
     if problems:
         result.verdict, result.reason = "invalid", "; ".join(problems)
         log.warning("run %s invalid: %s", config.name, result.reason)
@@ -311,6 +325,31 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
     result.verdict, reason = worst((s.scenario, s.verdict, s.reason) for s in result.scenarios)
     if reason is not None:  # the first scenario that decided it, named
         result.reason = reason
+
+
+TREE_CORE_LOG_BYTES = 8 << 20  # the fallback line comes at start-up, before the server serves
+
+
+def tree_core(proc: EngineProcess, config: Config, engine: str,
+              version: str | None) -> tuple[dict[str, Any], str]:
+    """The radix-tree core the engine runs, read from the start of its log with the variable its
+    environment really had (``parse_tree_core``); and why the log cannot tell, if it cannot."""
+    why = ""
+    log_text = None
+    level = str(config.args.get("log_level") or "info").lower()
+    if proc.log_path is None:
+        why = "the engine has no log"
+    elif level in QUIET_LOG_LEVELS:
+        why = f"--log-level {level} hides SGLang's 'Using the Python TreeCore' line"
+    else:
+        try:
+            with open(proc.log_path, "rb") as f:
+                log_text = f.read(TREE_CORE_LOG_BYTES).decode(errors="replace")
+        except OSError as exc:
+            why = f"its log cannot be read: {exc}"
+    core = parse_tree_core(log_text, asked=proc.env.get(TREE_CORE_ENV), version=version,
+                           embedded=engine == "embedded")
+    return core, why
 
 
 def exit_reason(proc: EngineProcess) -> str:

@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -29,6 +30,7 @@ from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evalsvc import validation
+from evalsvc.engines.sglang_server import TREE_CORE_ENV
 from evalsvc.paths import shipped_model_dir
 from evalsvc.types import RunResult
 
@@ -62,13 +64,19 @@ SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
     "quantization", "stream_interval", "enable_mixed_chunk", "disable_custom_all_reduce",
     "max_queued_requests", "num_continuous_decode_steps", "triton_attention_num_kv_splits",
     "speculative_accept_threshold_single", "speculative_accept_threshold_acc",
-    "speculative_attention_mode", "watchdog_timeout",
+    "speculative_attention_mode", "watchdog_timeout", "cuda_graph_backend_prefill",
+    "mamba_max_states_per_path", "enable_int8_mamba_checkpoint", "int8_mamba_ckpt_size",
 })
 ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
+# SGLang's radix-tree core (0.5.19 and later: ``python`` or ``rust``; the ``radix_tree_core`` axis
+# sets it per config). The embedded engine takes it too, and runs Python, as SGLang falls back.
+TREE_CORES = ("python", "rust")
 # Environment variables a matrix may give its engines (``engine_env``), per engine: SGLang's CPU
-# engine switch (``--device cpu`` serves through it); the embedded engine's torch threads.
-ENGINE_ENV = {"embedded": frozenset({"EVALSVC_ENGINE_THREADS"}),
-              "sglang": frozenset({"SGLANG_USE_CPU_ENGINE"})}
+# engine switch (``--device cpu`` serves through it); the embedded engine's torch threads; the
+# radix-tree core. ``ENV_VALUES``: the only values some of them take.
+ENGINE_ENV = {"embedded": frozenset({"EVALSVC_ENGINE_THREADS", TREE_CORE_ENV}),
+              "sglang": frozenset({"SGLANG_USE_CPU_ENGINE", TREE_CORE_ENV})}
+ENV_VALUES = {TREE_CORE_ENV: TREE_CORES}
 # Real SGLang on a CPU (``device: cpu``): which ops serve its gated-deltanet layers (``cpu_ops``),
 # given to the engine as this variable (the SGLang CPU environment's sitecustomize reads it:
 # evalsvc.builds.sglang_cpu). ``reference``, the default, runs on any x86-64 CPU with SGLang's
@@ -139,7 +147,19 @@ def value_problem(axis: str, value: Any, models: dict[str, Any]) -> str | None:
         if not -INT32 <= value < INT32:
             return f"{value} is out of range (-1 disables; at most 2^31 - 1)"
         return None
+    if axis in POSITIVE_AXES:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{shown(value)} is not an integer"
+        if not 0 < value < INT32:
+            return f"{value} is out of range (1 to 2^31 - 1; null: the release's default)"
+        return None
     allowed = AXES[axis]
+    if axis in ("radix_tree_core", "prefill_cuda_graph"):
+        if value is not None and (not isinstance(value, str) or value not in allowed):
+            return f"{shown(value)} not in {sorted(allowed)} (null: the release's default)"
+        return None
     if axis == "strategy":
         if not isinstance(value, str) or value not in allowed:
             return f"{shown(value)} not in {sorted(allowed)}"
@@ -240,16 +260,28 @@ class ReferenceSpec(Strict):
 
 AXES = {
     "model": None,  # keys of ``models``
-    "strategy": {"no_buffer", "extra_buffer", "auto"},
+    "strategy": {"no_buffer", "extra_buffer", "extra_buffer_lazy", "auto"},
     "radix_cache": {True, False},
     "overlap": {True, False},
     "chunked_prefill": None,  # int; -1 disables
     "hicache": {True, False},
     "mtp": {True, False},
     "deterministic": {True, False},
+    "radix_tree_core": set(TREE_CORES),  # SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND; null: default
+    # the axes of 2026's bug classes (each null or false: the release's default, no flag)
+    "mixed_chunk": {True, False},  # --enable-mixed-chunk
+    "page_size": None,  # --page-size N
+    "track_interval": None,  # --mamba-track-interval N
+    "prefill_cuda_graph": {"full", "breakable", "disabled"},  # --cuda-graph-backend-prefill
+    "mamba_max_states_per_path": None,  # --mamba-max-states-per-path N
+    "int8_mamba_checkpoint": {True, False},  # --enable-int8-mamba-checkpoint
 }
+POSITIVE_AXES = ("page_size", "track_interval", "mamba_max_states_per_path")
 DEFAULTS = {"strategy": "auto", "radix_cache": True, "overlap": True, "chunked_prefill": None,
-            "hicache": False, "mtp": False, "deterministic": False}
+            "hicache": False, "mtp": False, "deterministic": False, "radix_tree_core": None,
+            "mixed_chunk": False, "page_size": None, "track_interval": None,
+            "prefill_cuda_graph": None, "mamba_max_states_per_path": None,
+            "int8_mamba_checkpoint": False}
 
 
 class MatrixFile(Strict):
@@ -317,13 +349,28 @@ class MatrixFile(Strict):
                             raise ValueError(f"{where}: {shown(value)} is not a version range such "
                                              "as '<0.5.14'") from None
                         continue
+                    if key == "reason" and section == "exclude":
+                        if not isinstance(value, str) or not 0 < len(value) <= 1000:
+                            raise ValueError(f"{where}: a reason is a text of 1 to 1000 "
+                                             "characters (SGLang's own refusal)")
+                        continue
                     if key not in AXES:
                         raise ValueError(f"{where}: unknown axis (known: {', '.join(AXES)})")
-                    problem = value_problem(key, value, self.models)
-                    if problem:
-                        raise ValueError(f"{where}: {problem}")
+                    # a list: each of its values (an include entry stands for their product)
+                    values = value if isinstance(value, list) and key != "model" else [value]
+                    if not values:
+                        raise ValueError(f"{where}: an empty list")
+                    for v in values:
+                        problem = value_problem(key, v, self.models)
+                        if problem:
+                            raise ValueError(f"{where}: {problem}")
         if not self.axes and not self.include:
             raise ValueError("include: the matrix has no configs (give axes or include entries)")
+        asked = [*self.axes.get("radix_tree_core", []),
+                 *(entry.get("radix_tree_core") for entry in self.include)]
+        if TREE_CORE_ENV in self.engine_env and any(v is not None for v in asked):
+            raise ValueError(f"engine_env.{TREE_CORE_ENV}: the radix_tree_core axis sets it per "
+                             "config; give one of them")
         return self
 
     @model_validator(mode="after")
@@ -374,6 +421,8 @@ class MatrixFile(Strict):
             if not FLAG_VALUE_RE.fullmatch(value):
                 raise ValueError(f"{where}: {shown(value)} is not a plain value (letters, digits, "
                                  "'.', '_', '+', '-', at most 64, not starting with '-')")
+            if name in ENV_VALUES and value not in ENV_VALUES[name]:
+                raise ValueError(f"{where}: {shown(value)} not in {sorted(ENV_VALUES[name])}")
 
     def accept_floor(self, model: str, settings: dict[str, Any]) -> float | None:
         """The minimum accept length of a config of ``model`` with axis values ``settings``: the
@@ -382,6 +431,12 @@ class MatrixFile(Strict):
         if entry is None or not settings.get("mtp"):
             return None
         return entry.accept_floor.get(self.mtp.num_steps)
+
+    def listed_points(self, section: str) -> int:
+        """How many points the ``include`` (or ``exclude``) entries stand for: each the product of
+        its listed values."""
+        return sum(math.prod(len(v) if isinstance(v, list) and k != "model" else 1
+                             for k, v in entry.items()) for entry in getattr(self, section))
 
     def cross_product(self) -> int:
         """How many combinations the axes make before any is excluded (0 without axes)."""
@@ -406,6 +461,14 @@ class Config:
     scenarios: tuple[str, ...]
     accept_floor: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the engine's environment: the matrix's ``engine_env`` plus what the axes set
+    # (``radix_tree_core``)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tree_core(self) -> str | None:
+        """The radix-tree core this config asks for (None: the release's default)."""
+        return self.env.get(TREE_CORE_ENV)
 
     @property
     def uses_mtp(self) -> bool:
@@ -482,44 +545,65 @@ def resolve_matrix_path(name_or_path: str | Path, *, allow_path: bool = True) ->
 def expand(matrix: MatrixFile, hardware: str = "cpu", workload_version: str = "",
            sglang_version: str | None = None) -> list[Config]:
     """All configs of a matrix, in a stable order (for a given SGLang release, if any). Linear in
-    the points (the cross product, less the excluded ones, plus the include entries)."""
-    points: list[dict[str, Any]] = []
-    seen_points: set[tuple] = set()
-
-    def add(point: dict[str, Any]) -> None:
-        key = tuple(sorted((k, _hashable(v)) for k, v in point.items()))
-        if key not in seen_points:
-            seen_points.add(key)
-            points.append(point)
-
-    if matrix.axes:
-        axes = dict(matrix.axes)
-        if "model" not in axes:
-            axes["model"] = list(matrix.models)
-        keys = list(axes)
-        # the exclude entries, grouped by the axes they name: one set lookup per group and point
-        excluded: dict[tuple[str, ...], set[tuple]] = {}
-        for ex in matrix.exclude:
-            if _version_applies(ex, sglang_version):
-                named = tuple(sorted(k for k in ex if k != "sglang_version"))
-                excluded.setdefault(named, set()).add(tuple(_hashable(ex[k]) for k in named))
-        for values in itertools.product(*(axes[k] for k in keys)):
-            point = dict(zip(keys, values, strict=True))
-            if any(tuple(_hashable(point.get(k, DEFAULTS.get(k))) for k in named) in entries
-                   for named, entries in excluded.items()):
-                continue
-            add(point)
-    for inc in matrix.include:
-        add({"model": next(iter(matrix.models)), **inc})
+    the points (the cross product and the include entries, less the excluded ones)."""
     configs = []
     seen: set[str] = set()
-    for point in points:
+    for point, excluded_by in iter_points(matrix, sglang_version):
+        if excluded_by:
+            continue
         cfg = make_config(matrix, point, hardware, workload_version)
         if cfg.name in seen:
             continue
         seen.add(cfg.name)
         configs.append(cfg)
     return configs
+
+
+def iter_points(matrix: MatrixFile, sglang_version: str | None = None
+                ) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Every point of a matrix once (the axes' cross product, then each include entry's
+    product), with the exclude entries that apply to it for ``sglang_version`` (none: it is
+    kept)."""
+    seen_points: set[tuple] = set()
+    # the exclude entries, grouped by the axes they name: one dict lookup per group and point
+    excluded: dict[tuple[str, ...], dict[tuple, list[dict[str, Any]]]] = {}
+    for ex in matrix.exclude:
+        if _version_applies(ex, sglang_version):
+            named = tuple(sorted(k for k in ex if k not in ("sglang_version", "reason")))
+            for values in itertools.product(*(_listed(ex[k]) for k in named)):
+                excluded.setdefault(named, {}).setdefault(
+                    tuple(_hashable(v) for v in values), []).append(ex)
+
+    def verdict(point: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        key = tuple(sorted((k, _hashable(v)) for k, v in point.items()))
+        if key in seen_points:
+            return None
+        seen_points.add(key)
+        applied = []
+        for named, entries in excluded.items():
+            applied += entries.get(tuple(_hashable(point.get(k, DEFAULTS.get(k))) for k in named),
+                                   [])
+        return point, applied
+
+    products = []
+    if matrix.axes:
+        axes = dict(matrix.axes)
+        if "model" not in axes:
+            axes["model"] = list(matrix.models)
+        products.append(axes)
+    for inc in matrix.include:
+        products.append({"model": [next(iter(matrix.models))],
+                         **{k: _listed(v) if k != "model" else [v] for k, v in inc.items()}})
+    for axes in products:
+        keys = list(axes)
+        for values in itertools.product(*(axes[k] for k in keys)):
+            found = verdict(dict(zip(keys, values, strict=True)))
+            if found is not None:
+                yield found
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 def _hashable(value: Any) -> Any:
@@ -549,12 +633,23 @@ def make_config(matrix: MatrixFile, point: dict[str, Any], hardware: str = "cpu"
         "dtype": model.dtype, "tp_size": model.tp_size, "hardware": hardware,
         "workload": workload_version,
     }
-    if matrix.engine_env:  # what the engine's environment switches on is part of what it is
-        identity["engine_env"] = dict(sorted(matrix.engine_env.items()))
+    env = config_env(matrix, settings)
+    if env:  # what the engine's environment switches on is part of what it is
+        identity["engine_env"] = dict(sorted(env.items()))
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
     return Config(name=config_name(settings), matrix=matrix.name, model=settings["model"],
                   settings=settings, args=args, fingerprint=fingerprint.hexdigest()[:16],
-                  scenarios=scenarios, accept_floor=matrix.accept_floor(settings["model"], settings))
+                  scenarios=scenarios, accept_floor=matrix.accept_floor(settings["model"], settings),
+                  env=env)
+
+
+def config_env(matrix: MatrixFile, s: dict[str, Any]) -> dict[str, str]:
+    """The environment of a config's engine: the matrix's ``engine_env`` and the radix-tree core
+    the config asks for."""
+    env = dict(matrix.engine_env)
+    if s.get("radix_tree_core") is not None:
+        env[TREE_CORE_ENV] = s["radix_tree_core"]
+    return env
 
 
 def applies(scenario: str, settings: dict[str, Any]) -> bool:
@@ -569,7 +664,8 @@ def applies(scenario: str, settings: dict[str, Any]) -> bool:
 
 def config_name(s: dict[str, Any]) -> str:
     parts = [s["model"], "noradix" if not s["radix_cache"] else
-             {"no_buffer": "nb", "extra_buffer": "eb", "auto": "auto"}[s["strategy"]],
+             {"no_buffer": "nb", "extra_buffer": "eb", "extra_buffer_lazy": "ebl",
+              "auto": "auto"}[s["strategy"]],
              "ov" if s["overlap"] else "sync"]
     if s["chunked_prefill"] is not None:
         parts.append("nochunk" if s["chunked_prefill"] <= 0 else f"c{s['chunked_prefill']}")
@@ -579,6 +675,20 @@ def config_name(s: dict[str, Any]) -> str:
         parts.append("mtp")
     if s["deterministic"]:
         parts.append("det")
+    if s.get("mixed_chunk"):
+        parts.append("mixed")
+    if s.get("page_size") is not None:
+        parts.append(f"p{s['page_size']}")
+    if s.get("track_interval") is not None:
+        parts.append(f"t{s['track_interval']}")
+    if s.get("prefill_cuda_graph") is not None:
+        parts.append(f"pcg{s['prefill_cuda_graph']}")
+    if s.get("mamba_max_states_per_path") is not None:
+        parts.append(f"ms{s['mamba_max_states_per_path']}")
+    if s.get("int8_mamba_checkpoint"):
+        parts.append("int8ckpt")
+    if s.get("radix_tree_core") is not None:
+        parts.append({"python": "pycore", "rust": "rustcore"}[s["radix_tree_core"]])
     return "-".join(parts)
 
 
@@ -614,9 +724,20 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
                      "speculative_num_draft_tokens": m.num_draft_tokens or m.num_steps + 1})
     if s["deterministic"]:
         args["enable_deterministic_inference"] = True
+    for axis, arg in AXIS_ARGS.items():
+        if s.get(axis) is not None and s.get(axis) is not False:
+            args[arg] = s[axis]
     if matrix.cpu_ops in CPU_OPS_ATTENTION:  # unless the matrix names a backend itself
         args.setdefault("attention_backend", CPU_OPS_ATTENTION[matrix.cpu_ops])
     return args
+
+
+# axes that are one ServerArgs field each (set when not null or false)
+AXIS_ARGS = {"mixed_chunk": "enable_mixed_chunk", "page_size": "page_size",
+             "track_interval": "mamba_track_interval",
+             "prefill_cuda_graph": "cuda_graph_backend_prefill",
+             "mamba_max_states_per_path": "mamba_max_states_per_path",
+             "int8_mamba_checkpoint": "enable_int8_mamba_checkpoint"}
 
 
 @lru_cache(maxsize=64)

@@ -21,13 +21,31 @@ def evalsvc(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+TREE_CORE = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+
+
+def without_env(argv: list[str]) -> list[str]:
+    """A dry run's line less its ``env VAR=VALUE`` prefix."""
+    if argv[0] != "env":
+        return argv
+    return argv[1 + next(i for i, a in enumerate(argv[1:]) if "=" not in a):]
+
+
 def test_dry_run_prints_each_sglang_command_for_the_release():
     new = evalsvc("run", "mamba-full", "--dry-run", "--engine-python", "/opt/sglang/bin/python")
     old = evalsvc("run", "mamba-full", "--dry-run", "--sglang-version", "0.5.13")
     assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
-    new_lines = [json.loads(x) for x in new.stdout.splitlines()]
-    old_lines = [json.loads(x) for x in old.stdout.splitlines()]
-    assert len(new_lines) == 24 and len(old_lines) == 20
+    new_env = [json.loads(x) for x in new.stdout.splitlines()]
+    old_env = [json.loads(x) for x in old.stdout.splitlines()]
+    assert len(new_env) == 57 and len(old_env) == 23
+    # each radix-tree core on the newest release; the Python one only before 0.5.19; the include
+    # entries on the release's default core
+    assert {argv[1] for argv in new_env if argv[0] == "env"} == {f"{TREE_CORE}=python",
+                                                                 f"{TREE_CORE}=rust"}
+    assert {argv[1] for argv in old_env if argv[0] == "env"} == {f"{TREE_CORE}=python"}
+    assert sum(argv[0] != "env" for argv in new_env) == 9
+    new_lines, old_lines = map(without_env, new_env), map(without_env, old_env)
+    new_lines, old_lines = list(new_lines), list(old_lines)
     assert all(argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
                for argv in new_lines)
     assert all("--mamba-radix-cache-strategy" in argv for argv in new_lines)
@@ -45,9 +63,27 @@ def test_dry_run_spells_the_release_installed_in_the_engine_python(tmp_path):
     python.chmod(0o755)
     out = evalsvc("run", "mamba-full", "--dry-run", "--engine-python", str(python))
     assert out.returncode == 0, out.stderr
-    lines = [json.loads(x) for x in out.stdout.splitlines()]
-    assert len(lines) == 20 and all(argv[0] == str(python) for argv in lines)
+    lines = [without_env(json.loads(x)) for x in out.stdout.splitlines()]
+    assert len(lines) == 23 and all(argv[0] == str(python) for argv in lines)
     assert all("--mamba-scheduler-strategy" in argv and "--mamba-radix-cache-strategy" not in argv
+               for argv in lines)
+
+
+def test_dry_run_shows_the_engine_environment_of_each_config(tmp_path):
+    path = tmp_path / "core.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "core", "engine": "sglang", "models": {"m": {"path": "Qwen/Qwen3-Next"}},
+        "axes": {"strategy": ["extra_buffer"], "radix_tree_core": [None, "python", "rust"]},
+        "engine_env": {"SGLANG_USE_CPU_ENGINE": "1"}}))
+    out = evalsvc("run", str(path), "--dry-run", "--engine-python", "/opt/sglang/bin/python",
+                  "--sglang-version", "0.5.23")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [argv[:3] for argv in lines] == [
+        ["env", "SGLANG_USE_CPU_ENGINE=1", "/opt/sglang/bin/python"],
+        ["env", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python", "SGLANG_USE_CPU_ENGINE=1"],
+        ["env", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=rust", "SGLANG_USE_CPU_ENGINE=1"]]
+    assert all(argv[argv.index("/opt/sglang/bin/python") + 1:][:2] == ["-m", "sglang.launch_server"]
                for argv in lines)
 
 

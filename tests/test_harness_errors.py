@@ -516,3 +516,54 @@ def test_port_taken_only_at_the_first_attempt_runs_on_another(fake, tmp_path, mo
     pids = fake_pids(tmp_path)
     assert len(pids) == 2  # the attempt that could not bind, and the server that ran
     assert_gone(pids)
+
+
+# ---- the radix-tree core the engine really runs ----------------------------------------------------
+
+FALLBACK = ("Using the Python TreeCore: this installation contains neither the Rust TreeCore "
+            "extension nor its sources")
+
+
+@pytest.mark.slow
+def test_tree_core_that_ran_is_recorded_and_a_run_that_got_another_is_invalid(tmp_path):
+    """The fake is 0.5.23 (Rust by default), without its Rust core or with it."""
+    matrix, configs = load(tmp_path / "core.yaml", {**FAKE, "include": [
+        {"strategy": "extra_buffer", "overlap": True, "radix_tree_core": "rust"},
+        {"strategy": "extra_buffer", "overlap": True}]})
+    rust, default = configs
+    assert (rust.name, default.name) == ("m-eb-ov-rustcore", "m-eb-ov")
+    absent = fake_spec("ok", tmp_path, FAKE_SGLANG_VERSION="0.5.23",
+                       FAKE_SGLANG_RUST_CORE="absent")
+    r = run_config(rust, matrix, absent, PROMPTS, log_dir=tmp_path / "absent")
+    assert r.verdict == "invalid" and r.scenarios == []
+    assert r.reason == f"radix_tree_core: asked 'rust', server runs 'python' ({FALLBACK})"
+    assert r.resolved_args["radix_tree_core"] == "python"
+    assert FALLBACK.endswith(r.resolved_args["radix_tree_core_fallback"])
+    # asking for nothing: the release's default, recorded with its fallback, and not invalid
+    r = run_config(default, matrix, absent, PROMPTS, log_dir=tmp_path / "absent")
+    assert r.verdict == "pass", r.reason
+    assert r.resolved_args["radix_tree_core"] == "python"
+    assert r.resolved_args["radix_tree_core_fallback"]
+    present = fake_spec("ok", tmp_path, FAKE_SGLANG_VERSION="0.5.23")
+    for config in (rust, default):
+        r = run_config(config, matrix, present, PROMPTS, log_dir=tmp_path / "present")
+        assert r.verdict == "pass", r.reason
+        assert (r.resolved_args["radix_tree_core"], r.resolved_args["radix_tree_core_fallback"]) == (
+            "rust", None)
+    assert_gone(fake_pids(tmp_path))
+
+
+@pytest.mark.slow
+def test_embedded_engine_takes_the_tree_core_variable_and_falls_back_as_sglang(tmp_path):
+    matrix, configs = load(tmp_path / "core.yaml", {**EMBEDDED, "axes": {
+        "strategy": ["extra_buffer"], "radix_tree_core": ["python", "rust"]}})
+    by_core = {c.tree_core: c for c in configs}
+    python = run_config(by_core["python"], matrix, EngineSpec(), PROMPTS, log_dir=tmp_path)
+    assert python.verdict == "pass", python.reason
+    assert python.resolved_args["radix_tree_core"] == "python"
+    rust = run_config(by_core["rust"], matrix, EngineSpec(), PROMPTS, log_dir=tmp_path)
+    assert rust.verdict == "invalid"
+    assert rust.reason == ("radix_tree_core: asked 'rust', server runs 'python' (Using the Python "
+                           "TreeCore: the embedded engine has no Rust TreeCore)")
+    assert "Using the Python TreeCore: the embedded engine has no Rust TreeCore" in Path(
+        rust.log_path).read_text()

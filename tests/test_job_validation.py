@@ -115,6 +115,11 @@ def test_include_and_exclude_entries_are_limited(client, tmp_path):
     exclude = [{"chunked_prefill": i} for i in range(1, 1202)]
     refused(client, tmp_path, {"matrix": inline(exclude=exclude)}, "matrix.exclude",
             "EVALSVC_MAX_MATRIX_ENTRIES")
+    # a few entries whose listed values make many points
+    listed = [{"model": "m", "chunked_prefill": list(range(1, 41)), "overlap": [True, False],
+               "hicache": [True, False], "mtp": [True, False]}] * 4
+    refused(client, tmp_path, {"matrix": inline(include=listed)}, "matrix.include", "1280",
+            "EVALSVC_MAX_MATRIX_ENTRIES")
 
 
 def test_prompts_and_tokens_per_job_are_limited(client, tmp_path):

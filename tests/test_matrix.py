@@ -14,10 +14,12 @@ from evalsvc.matrix import (
     AXES,
     ENGINE_FLAGS,
     SCENARIOS,
+    TREE_CORE_ENV,
     MatrixError,
     MatrixFile,
     check_extra_args,
     expand,
+    iter_points,
     load_matrix,
     make_config,
 )
@@ -38,7 +40,7 @@ def test_shipped_matrices_load_and_expand():
     assert len(configs) >= 8
     assert {c.model for c in configs} == {"mamba2", "gdn"}
     full = expand(load_matrix("mamba-full"))
-    assert len(full) == 24
+    assert len(full) == 57
     assert not any(c.settings["strategy"] == "no_buffer" and c.settings["overlap"] for c in full)
 
 
@@ -58,7 +60,10 @@ def test_version_conditional_exclusion():
     new = {c.name for c in expand(full, sglang_version="0.5.23")}
     old = {c.name for c in expand(full, sglang_version="0.5.13")}
     assert old < new
-    assert all("-nb-" in n and n.endswith("mtp") for n in new - old)
+    assert all(("-nb-" in n and n.endswith("mtp-pycore")) or n.endswith("-rustcore")
+               or re.search(r"-(pcgfull|ms2|int8ckpt)$|-mtp(-mixed)?$", n) for n in new - old), (
+        new - old)
+    assert not any(n.endswith("-rustcore") for n in old)  # no Rust tree core before 0.5.19
 
 
 @pytest.mark.parametrize(("change", "key"), [
@@ -212,3 +217,89 @@ def test_exclude_entries_match_as_before_and_in_linear_time():
     configs = expand(big)
     assert len(configs) == 999 and "m-auto-ov-c7" not in {c.name for c in configs}
     assert time.monotonic() - t0 < 8
+
+
+def test_radix_tree_core_axis_sets_the_engine_variable_names_and_fingerprints():
+    m = MatrixFile.model_validate({**BASE, "engine": "sglang", "axes": {
+        "strategy": ["extra_buffer"], "radix_tree_core": [None, "python", "rust"]}})
+    m.check_engine_flags()
+    by_core = {c.settings["radix_tree_core"]: c for c in expand(m, hardware="gpu")}
+    assert {k: c.name for k, c in by_core.items()} == {
+        None: "m-eb-ov", "python": "m-eb-ov-pycore", "rust": "m-eb-ov-rustcore"}
+    assert by_core[None].env == {} and by_core[None].tree_core is None
+    assert by_core["rust"].env == {TREE_CORE_ENV: "rust"} and by_core["rust"].tree_core == "rust"
+    assert len({c.fingerprint for c in by_core.values()}) == 3
+    assert all(c.args == by_core[None].args for c in by_core.values())  # no flag: an env variable
+    # asking by engine_env is the same config as asking by the axis
+    env = MatrixFile.model_validate({**BASE, "engine": "sglang", "axes": {
+        "strategy": ["extra_buffer"]}, "engine_env": {TREE_CORE_ENV: "rust"}})
+    env.check_engine_flags()
+    assert expand(env, hardware="gpu")[0].fingerprint == by_core["rust"].fingerprint
+    # the plain config's fingerprint is what it was before the axis existed
+    plain = MatrixFile.model_validate({**BASE, "engine": "sglang", "axes": {
+        "strategy": ["extra_buffer"]}})
+    assert expand(plain, hardware="gpu")[0].fingerprint == by_core[None].fingerprint
+
+
+def test_radix_tree_core_values_are_python_or_rust_only():
+    with pytest.raises(ValidationError, match=r"radix_tree_core.*'cpp' not in \['python', 'rust'\]"):
+        MatrixFile.model_validate({**BASE, "axes": {"radix_tree_core": ["cpp"]}})
+    for engine in ("sglang", "embedded"):
+        bad = MatrixFile.model_validate({**BASE, "engine": engine,
+                                         "engine_env": {TREE_CORE_ENV: "cpp"}})
+        with pytest.raises(ValueError, match=rf"engine_env\.{TREE_CORE_ENV}: 'cpp' not in "
+                                             r"\['python', 'rust'\]"):
+            bad.check_engine_flags()
+    with pytest.raises(ValidationError, match=rf"engine_env\.{TREE_CORE_ENV}: the radix_tree_core "
+                                              "axis sets it per config"):
+        MatrixFile.model_validate({**BASE, "engine_env": {TREE_CORE_ENV: "rust"},
+                                   "include": [{"radix_tree_core": "python"}]})
+
+
+def test_include_entries_list_values_and_excludes_apply_to_them():
+    m = MatrixFile.model_validate({**BASE, "axes": {}, "include": [
+        {"strategy": ["no_buffer", "extra_buffer"], "overlap": [True, False], "hicache": True},
+        {"strategy": "extra_buffer", "overlap": True, "hicache": True}],  # the same point again
+        "exclude": [{"strategy": "no_buffer", "overlap": True, "reason": "refused"},
+                    {"strategy": ["extra_buffer"], "overlap": False, "sglang_version": "<0.5.14",
+                     "reason": "refused before 0.5.14"}]})
+    assert [c.name for c in expand(m)] == ["m-nb-sync-hicache", "m-eb-ov-hicache",
+                                           "m-eb-sync-hicache"]
+    assert [c.name for c in expand(m, sglang_version="0.5.13")] == ["m-nb-sync-hicache",
+                                                                    "m-eb-ov-hicache"]
+    dropped = [(p["strategy"], p["overlap"], [e["reason"] for e in entries])
+               for p, entries in iter_points(m, "0.5.13") if entries]
+    assert dropped == [("no_buffer", True, ["refused"]),
+                       ("extra_buffer", False, ["refused before 0.5.14"])]
+    for entry, problem in [({"include": [{"strategy": []}]}, r"include\[0\]\.strategy: an empty"),
+                           ({"include": [{"strategy": ["fast"]}]}, r"include\[0\]\.strategy"),
+                           ({"include": [{"reason": "x"}]}, r"include\[0\]\.reason: unknown"),
+                           ({"exclude": [{"hicache": True, "reason": ""}]},
+                            r"exclude\[0\]\.reason: a reason is a text")]:
+        with pytest.raises(ValidationError, match=problem):
+            MatrixFile.model_validate({**BASE, **entry})
+
+
+def test_the_2026_axes_are_sglang_server_args_and_name_their_configs():
+    m = load_matrix("mamba-full")
+    args = {c.name: c.args for c in expand(m, sglang_version="0.5.23")}
+    assert args["qwen3-next-eb-ov-c512-mtp-mixed"]["enable_mixed_chunk"] is True
+    assert args["qwen3-next-ebl-ov-c512"]["mamba_radix_cache_strategy"] == "extra_buffer_lazy"
+    assert args["qwen3-next-eb-ov-c512-pcgfull"]["cuda_graph_backend_prefill"] == "full"
+    assert args["qwen3-next-eb-ov-c512-ms2"]["mamba_max_states_per_path"] == 2
+    assert args["qwen3-next-eb-ov-c512-int8ckpt"]["enable_int8_mamba_checkpoint"] is True
+    paged = args["qwen3-next-eb-sync-c512-p64-t128"]
+    assert (paged["page_size"], paged["mamba_track_interval"]) == (64, 128)
+    # refused combinations stay out: int8 checkpoints with HiCache, no_buffer with pages
+    assert "qwen3-next-eb-ov-c512-hicache-int8ckpt" not in args
+    assert "qwen3-next-nb-sync-c512-p64-t128" not in args
+    assert all(e.get("reason") for e in m.exclude)
+    # a config that sets none of them keeps the fingerprint it had
+    plain = MatrixFile.model_validate({**BASE, "axes": {"strategy": ["extra_buffer"]}})
+    point = {"model": "m", "strategy": "extra_buffer", "mixed_chunk": False, "page_size": None,
+             "prefill_cuda_graph": None, "int8_mamba_checkpoint": False}
+    assert make_config(plain, point).fingerprint == expand(plain)[0].fingerprint
+    for axis, value in [("page_size", 0), ("track_interval", "x"), ("prefill_cuda_graph", "eager"),
+                        ("mamba_max_states_per_path", -1), ("mixed_chunk", "yes")]:
+        with pytest.raises(ValidationError, match=axis):
+            MatrixFile.model_validate({**BASE, "include": [{axis: value}]})

@@ -11,6 +11,12 @@ and flag names that moved between SGLang releases are handled here and only here
   ``spec_draft_token_num`` (older); ``spec_verify_ct`` everywhere.
 * ``/server_info`` is ``/get_server_info`` on old releases; resolved arguments use the release's
   field names.
+* the radix-tree core (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``): no release reports it in
+  ``/server_info``, so it is read from the engine's log (``parse_tree_core``). 0.5.19 and 0.5.20
+  register a Rust core beside the Python one and run Python unless asked; from 0.5.21 Rust is the
+  default, and where it cannot run SGLang falls back to Python, saying so only in an INFO line
+  ``Using the Python TreeCore: <reason>`` (``tree_core_registry.resolve_tree_core_backend``).
+  Before 0.5.19 the tree is Python only (0.5.17 and 0.5.18 know the variable, not ``rust``).
 """
 
 from __future__ import annotations
@@ -19,10 +25,16 @@ import functools
 import itertools
 import math
 import operator
+import re
 from typing import Any
 
 from evalsvc.types import Completion, SpecCounters, TopLogprobs
 
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+RUST_CORE_IN = (0, 5, 19)  # the Rust radix-tree core is registered
+RUST_DEFAULT_IN = (0, 5, 21)  # ... and is the default, with a logged fallback to Python
+TREE_CORE_FALLBACK = re.compile(r"Using the Python TreeCore: ?(?P<reason>[^\r\n]*)")
+QUIET_LOG_LEVELS = ("warning", "error", "critical")  # hide SGLang's INFO fallback line
 RENAMED_IN = {"mamba_radix_cache_strategy": ((0, 5, 15), "mamba_scheduler_strategy")}
 BOOLEAN_FLAGS = {
     "disable_radix_cache", "disable_overlap_schedule", "enable_hierarchical_cache",
@@ -302,3 +314,49 @@ def resolved_mismatches(requested: dict[str, Any], resolved: dict[str, Any]) -> 
     if not requested.get("disable_overlap_schedule") and resolved.get("disable_overlap_schedule"):
         problems.append("disable_overlap_schedule: asked overlap on, server runs it off")
     return problems
+
+
+def parse_tree_core(log: str | None, *, asked: str | None, version: str | None,
+                    embedded: bool = False) -> dict[str, Any]:
+    """Which radix-tree core a server runs, from the start of its log: ``radix_tree_core``
+    (``python``, ``rust``, or None where the log cannot tell) and ``radix_tree_core_fallback``
+    (SGLang's reason for running Python where Rust was asked for or the default, else None).
+
+    ``asked``: the value of ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` in the engine's
+    environment (None: unset); ``version``: the server's release (``/server_info``'s
+    ``version``); ``embedded``: the embedded engine, which has the Python core only and logs
+    SGLang's fallback line when asked for Rust; ``log``: None when there is none, or when its level
+    hides INFO lines."""
+    found = TREE_CORE_FALLBACK.search(log or "")
+    if found:
+        return {"radix_tree_core": "python",
+                "radix_tree_core_fallback": found.group("reason").strip() or "(no reason given)"}
+    if embedded:
+        return {"radix_tree_core": "python", "radix_tree_core_fallback": None if asked != "rust"
+                else "the embedded engine has no Rust TreeCore"}
+    release = parse_version(version)
+    if release < RUST_CORE_IN:
+        return {"radix_tree_core": "python", "radix_tree_core_fallback": None if asked != "rust"
+                else f"sglang {version} has no Rust TreeCore (it came in 0.5.19)"}
+    if release < RUST_DEFAULT_IN:  # no fallback: Rust loads when asked, or the server fails
+        return {"radix_tree_core": asked or "python", "radix_tree_core_fallback": None}
+    core = asked or "rust"
+    if core == "rust" and log is None:  # a fallback would be in the log
+        return {"radix_tree_core": None, "radix_tree_core_fallback": None}
+    return {"radix_tree_core": core, "radix_tree_core_fallback": None}
+
+
+def tree_core_mismatch(asked: str | None, found: dict[str, Any], why_unknown: str = "") -> str | None:
+    """Where a server does not run the radix-tree core a config asked for (None: it does, or
+    nothing was asked)."""
+    if asked is None:
+        return None
+    core = found.get("radix_tree_core")
+    if core is None:
+        return (f"radix_tree_core: asked {asked!r}, and which core the server runs cannot be told"
+                f"{f' ({why_unknown})' if why_unknown else ''}")
+    if core != asked:
+        reason = found.get("radix_tree_core_fallback")
+        return (f"radix_tree_core: asked {asked!r}, server runs {core!r}"
+                f"{f' (Using the Python TreeCore: {reason})' if reason else ''}")
+    return None

@@ -247,6 +247,10 @@ def _check_matrix_size(matrix: MatrixFile, settings: Settings) -> None:
         n = len(getattr(matrix, section))
         if n > limit:
             raise JobError(f"matrix.{section}: {n} entries, {over}")
+        points = matrix.listed_points(section)
+        if points > limit:
+            raise JobError(f"matrix.{section}: its entries' listed values make {points} "
+                           f"combinations, {over}")
     product = matrix.cross_product()
     if product > limit:
         raise JobError(f"matrix.axes: the axes make {product} combinations, {over}")

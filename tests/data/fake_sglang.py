@@ -13,6 +13,11 @@ Started by ``tests/data/fake-python`` as ``fake_sglang.py --model-path M --host 
 * ``nan``: NaN output logprobs. ``malformed``: ``output_token_logprobs`` is not a list.
 * ``slow_start``: takes ``FAKE_SGLANG_START_SECONDS`` (default 10) to start, then serves as ``ok``.
 
+``FAKE_SGLANG_VERSION`` is the release it reports (default ``0.0.0+fake``). Its radix-tree core
+follows SGLang's rules for that release (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, default
+``rust`` from 0.5.21): with ``FAKE_SGLANG_RUST_CORE=absent`` a Rust core it cannot load falls back
+to Python and says so in SGLang's own log line ("Using the Python TreeCore: ...").
+
 ``FAKE_SGLANG_WHEN=field=value`` limits the mode to servers started with that flag value (the others
 run ``ok``); ``FAKE_SGLANG_PIDFILE`` collects the pids of the server and its child.
 """
@@ -27,6 +32,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+VERSION = os.environ.get("FAKE_SGLANG_VERSION", "0.0.0+fake")
 MODES = ("ok", "die_at_start", "die_mid", "die_at_info", "nan", "malformed", "slow_start")
 
 
@@ -121,7 +127,7 @@ def make_handler(flags: dict, mode: str):
                 if mode == "die_at_info":
                     print("fake sglang: scheduler crashed (die_at_info)", file=sys.stderr, flush=True)
                     os._exit(3)
-                self._send(200, {**flags, "version": "0.0.0+fake", "internal_states": [{}]})
+                self._send(200, {**flags, "version": VERSION, "internal_states": [{}]})
             else:
                 self._send(404, {"error": f"no route {self.path}"})
 
@@ -165,6 +171,13 @@ def main(argv: list[str]) -> None:
     if os.environ.get("FAKE_SGLANG_PIDFILE"):
         with open(os.environ["FAKE_SGLANG_PIDFILE"], "a") as f:
             f.write("".join(f"{p}\n" for p in pids))
+    release = tuple(int(p) for p in VERSION.split("+")[0].split(".")[:3])
+    core = os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND",
+                          "rust" if release >= (0, 5, 21) else "python")
+    if (core == "rust" and release >= (0, 5, 21) and not flags.get("disable_radix_cache")
+            and os.environ.get("FAKE_SGLANG_RUST_CORE") == "absent"):
+        print("[2026-12-05 13:00:00 TP0] Using the Python TreeCore: this installation contains "
+              "neither the Rust TreeCore extension nor its sources", file=sys.stderr, flush=True)
     server = ThreadingHTTPServer((flags.get("host", "127.0.0.1"), int(flags["port"])),
                                  make_handler(flags, mode))
     print(f"fake sglang: serving on port {flags['port']}", file=sys.stderr, flush=True)

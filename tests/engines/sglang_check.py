@@ -10,7 +10,7 @@ The job (JSON on stdin)::
     {"model_path": "<local dir with config.json>", "device": "cpu",
      "commands": [{"id": "...", "argv": ["--model-path", "...", ...]}, ...],
      "payloads": [{"id": "...", "payload": {...}}, ...],
-     "vocab_size": 1024, "timeout_s": 120}
+     "vocab_size": 1024, "timeout_s": 120, "tree_core": true}
 
 ``argv`` is what follows ``-m sglang.launch_server`` (a full command line is cut there). The
 checker replaces the value of ``--model-path`` by ``model_path`` and sets ``--device`` to
@@ -59,9 +59,13 @@ Limits: resolution runs with ``--device cpu``, so what SGLang derives from the d
 chunked-prefill size from host RAM). A command that sets a value explicitly is checked as written;
 one that leaves it to the device is not checked for the GPU's choice.
 
+With ``"tree_core": true``, ``check_tree_core`` reports the release's radix-tree cores (registered,
+default, whether the Rust one imports, the log line of a fallback to Python).
+
 Output (JSON on stdout; SGLang's own prints go to stderr)::
 
-    {"sglang_version": "...", "patches": [...], "commands": [...], "payloads": [...]}
+    {"sglang_version": "...", "patches": [...], "commands": [...], "payloads": [...],
+     "tree_core": {...} or null}
 """
 
 from __future__ import annotations
@@ -406,6 +410,52 @@ def check_payload(payload: Any, vocab_size: int) -> dict[str, Any]:
     return result
 
 
+# ---- the radix-tree core ---------------------------------------------------------------------
+
+TREE_CORE_REGISTRY = "sglang.srt.mem_cache.unified_cache.tree_core_registry"
+RUST_TREE_CORE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
+
+
+def check_tree_core() -> dict[str, Any]:
+    """The release's radix-tree cores: those it registers, its default
+    (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` unset), whether its Rust core imports here, and
+    the line its log shows when it falls back to Python (the release's own logger setup and
+    ``resolve_tree_core_backend``, asked for ``rust`` by a session-aware cache, which the Rust
+    core does not support). Releases without a registry register nothing."""
+    out: dict[str, Any] = {"registered": [], "default": None, "rust_imports": None,
+                           "rust_error": None, "fallback_line": None}
+    try:
+        registry = importlib.import_module(TREE_CORE_REGISTRY)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not TREE_CORE_REGISTRY.startswith(exc.name):
+            raise
+        return out
+    from sglang.srt.environ import envs
+
+    os.environ.pop("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", None)
+    out["registered"] = list(registry.registered_tree_core_backends())
+    out["default"] = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get()
+    if "rust" in out["registered"]:
+        try:
+            importlib.import_module(RUST_TREE_CORE)
+            out["rust_imports"] = True
+        except Exception as exc:  # noqa: BLE001 - reported
+            out["rust_imports"], out["rust_error"] = False, f"{type(exc).__name__}: {exc}"
+    if hasattr(registry, "resolve_tree_core_backend"):
+        from sglang.srt.utils import configure_logger
+
+        configure_logger(type("Args", (), {"log_level": "info"})(), prefix=" TP0")
+        captured = io.StringIO()
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(captured)
+        params = type("Params", (), {"enable_session_radix_cache": True})()
+        out["fallback_core"] = registry.resolve_tree_core_backend("rust", params)
+        out["fallback_line"] = next((ln for ln in captured.getvalue().splitlines()
+                                     if "TreeCore" in ln), None)
+    return out
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -436,8 +486,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     for i, item in enumerate(job.get("payloads", [])):
         res = check(check_payload, item.get("payload"), vocab_size)
         payloads.append({"id": item.get("id", str(i)), **res})
+    tree_core = check(check_tree_core) if job.get("tree_core") else None
     return {"sglang_version": importlib.metadata.version("sglang"), "python": sys.version.split()[0],
-            "device": device, "patches": patches, "commands": commands, "payloads": payloads}
+            "device": device, "patches": patches, "commands": commands, "payloads": payloads,
+            "tree_core": tree_core}
 
 
 def main() -> int:

@@ -15,8 +15,8 @@ reached, they are skipped with the reason.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
-import itertools
 import json
 import os
 import platform
@@ -32,9 +32,10 @@ from evalsvc.engines.sglang_server import (
     build_command,
     build_generate_payload,
     build_reference_payload,
+    parse_tree_core,
     resolved_mismatches,
 )
-from evalsvc.matrix import AXES, Config, MatrixFile, expand, load_matrix, make_config
+from evalsvc.matrix import AXES, Config, MatrixFile, expand, iter_points, load_matrix, make_config
 
 VERSIONS = ["0.5.23", "0.5.13"]
 MATRIX = "mamba-full"
@@ -49,18 +50,23 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def excluded_configs(matrix: MatrixFile, version: str) -> list[Config]:
-    """The axis product minus what ``expand`` keeps for this release."""
+def excluded_configs(matrix: MatrixFile, version: str) -> dict[str, tuple[Config, list[dict]]]:
+    """The points of the axes and the include entries that this release's exclude entries drop:
+    name -> (config, the exclude entries that drop it)."""
     kept = {cfg.name for cfg in expand(matrix, sglang_version=version)}
-    axes = dict(matrix.axes)
-    axes.setdefault("model", list(matrix.models))
-    assert set(axes) <= set(AXES), f"unknown axes {set(axes) - set(AXES)}"
-    out: dict[str, Config] = {}
-    for values in itertools.product(*axes.values()):
-        cfg = make_config(matrix, dict(zip(axes, values, strict=True)))
-        if cfg.name not in kept:
-            out.setdefault(cfg.name, cfg)
-    return list(out.values())
+    out: dict[str, tuple[Config, list[dict]]] = {}
+    for point, entries in iter_points(matrix, sglang_version=version):
+        assert set(point) <= set(AXES), f"unknown axes {set(point) - set(AXES)}"
+        cfg = make_config(matrix, point)
+        if entries and cfg.name not in kept:
+            out.setdefault(cfg.name, (cfg, entries))
+    return out
+
+
+def by_environment(entries: list[dict]) -> bool:
+    """Exclude entries about the engine's environment (the radix-tree core), which no command
+    line shows: checked against the release's tree-core registry instead."""
+    return any("radix_tree_core" in e for e in entries)
 
 
 def payloads() -> dict[str, dict[str, Any]]:
@@ -159,11 +165,17 @@ def matrix() -> MatrixFile:
 
 
 @pytest.fixture(scope="session")
-def contract(version: str, matrix: MatrixFile) -> dict[str, Any]:
+def contract(version: str) -> dict[str, Any]:
+    return release_contract(version)
+
+
+@functools.cache
+def release_contract(version: str) -> dict[str, Any]:
     """One checker run for this release: every matrix and excluded command, every payload."""
+    matrix = load_matrix(MATRIX)
     python = release_python(version)
     configs = {cfg.name: cfg for cfg in expand(matrix, sglang_version=version)}
-    excluded = {cfg.name: cfg for cfg in excluded_configs(matrix, version)}
+    excluded = excluded_configs(matrix, version)
     # A control: the first config spelled for the other release must not get through the parser.
     control = build_command(next(iter(configs.values())).args, port=PORT, python="python",
                             version=other_release(version))
@@ -172,8 +184,9 @@ def contract(version: str, matrix: MatrixFile) -> dict[str, Any]:
         "vocab_size": json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"],
         "commands": [{"id": name, "argv": build_command(cfg.args, port=PORT, python="python",
                                                         version=version)}
-                     for name, cfg in {**configs, **excluded}.items()]
+                     for name, cfg in {**configs, **{n: c for n, (c, _) in excluded.items()}}.items()]
                     + [{"id": CONTROL, "argv": control}],
+        "tree_core": True,
         "payloads": [{"id": k, "payload": v} for k, v in {**payloads(), **BAD_PAYLOADS}.items()],
     }
     result = run_checker(python, version, job)
@@ -226,13 +239,27 @@ def test_matrix_commands_accepted_as_asked(version: str, contract: dict[str, Any
 
 def test_excluded_configs_refused_or_changed(version: str, contract: dict[str, Any],
                                              record_property: Any) -> None:
-    """What the matrix leaves out for this release, the release refuses or would run differently."""
+    """What the matrix leaves out for this release, the release refuses (with the exclude entry's
+    reason in its message) or would run differently."""
     report = {}
     wrongly_excluded = []
-    for name, cfg in contract["excluded"].items():
+    wrong_reason = []
+    registered = contract["tree_core"]["registered"]
+    for name, (cfg, entries) in contract["excluded"].items():
+        if by_environment(entries):
+            asked = cfg.settings["radix_tree_core"]
+            report[name] = (f"{asked!r} not among the registered tree cores {registered}"
+                            if asked not in registered else "registered")
+            if asked in registered:
+                wrongly_excluded.append(name)
+            continue
         res = contract["by_command"][name]
         if not res["accepted"]:
             report[name] = f"refused: {describe(res['error'])}"
+            if not any(e.get("reason") and e["reason"] in res["error"]["message"]
+                       for e in entries):
+                wrong_reason.append(f"{name}: refused with {res['error']['message']!r}, not "
+                                    f"{[e.get('reason') for e in entries]}")
             continue
         mismatches = resolved_mismatches(cfg.args, res["resolved_all"])
         if mismatches:
@@ -246,6 +273,42 @@ def test_excluded_configs_refused_or_changed(version: str, contract: dict[str, A
         print(f"  {name}: {what}")
     assert not wrongly_excluded, (f"sglang {version} accepts and runs as asked these excluded "
                                   f"configs: {wrongly_excluded}")
+    assert not wrong_reason, "exclude reasons that are not SGLang's refusal:\n" + "\n".join(
+        wrong_reason)
+
+
+def test_every_exclude_names_sglangs_refusal(matrix: MatrixFile) -> None:
+    """Each exclude entry's reason is SGLang's own words where some release drops one of its
+    configs: the message of a refusal, or the warning of a release that changes what was asked
+    (a newer one may refuse it); entries about the radix-tree core are the registry's."""
+    missing = [e for e in matrix.exclude if not e.get("reason")]
+    assert not missing, f"exclude entries of {MATRIX} without a reason: {missing}"
+    said: dict[str, list[str]] = {}
+    for version in VERSIONS:
+        contract = release_contract(version)
+        for name, (_, entries) in contract["excluded"].items():
+            res = contract["by_command"][name]
+            words = [res["error"]["message"]] if res["error"] else res["warnings"]
+            for e in entries:
+                if by_environment([e]) or any(e["reason"] in w for w in words):
+                    said.setdefault(json.dumps(e, sort_keys=True), []).append(f"{version}: {name}")
+    unsaid = [e for e in matrix.exclude if json.dumps(e, sort_keys=True) not in said]
+    assert not unsaid, f"exclude entries whose reason no release says: {unsaid}"
+
+
+def test_tree_cores_of_the_release(version: str, contract: dict[str, Any]) -> None:
+    """0.5.23 registers both cores, defaults to Rust, imports its Rust core on this CPU, and falls
+    back with the line ``parse_tree_core`` reads; 0.5.13 has no tree-core registry."""
+    tree = contract["tree_core"]
+    if version == "0.5.13":
+        assert tree["registered"] == [] and tree["fallback_line"] is None
+        return
+    assert tree["registered"] == ["python", "rust"] and tree["default"] == "rust"
+    assert tree["rust_imports"], tree["rust_error"]
+    assert tree["fallback_core"] == "python"
+    assert parse_tree_core(tree["fallback_line"], asked="rust", version=version) == {
+        "radix_tree_core": "python",
+        "radix_tree_core_fallback": "session-aware caching requires the Python TreeCore"}
 
 
 @pytest.mark.parametrize("payload_id", sorted(payloads()))

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.sglang_contract, pytest.mark.timeout(3600),
 def cpu_contract() -> dict[str, Any]:
     matrix = load_matrix("sglang-cpu")
     configs = {c.name: c for c in expand(matrix, sglang_version=VERSION)}
-    excluded = {c.name: c for c in excluded_configs(matrix, VERSION)}
+    excluded = {name: c for name, (c, _) in excluded_configs(matrix, VERSION).items()}
     job = {"model_path": str(MODEL_DIR), "device": "cpu", "timeout_s": 300, "host_patches": False,
            "vocab_size": json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"],
            "commands": [{"id": name, "argv": build_command(c.args, port=PORT, python="python",
@@ -86,5 +86,13 @@ def test_the_engines_get_sglangs_cpu_switch_from_the_matrix() -> None:
     matrix = load_matrix("sglang-cpu")
     spec = EngineSpec(kind="sglang", env={"PYTHONPATH": "/builds/x/site"})
     assert spec.with_env(matrix.engine_env).env == {"SGLANG_USE_CPU_ENGINE": "1",
+                                                    "EVALSVC_CPU_OPS": "reference",
                                                     "PYTHONPATH": "/builds/x/site"}
     assert all(c.args["device"] == "cpu" for c in expand(matrix))
+    # the reference ops by default, with torch attention; the kernel path on request, with
+    # SGLang's own default backend; the choice is part of every config's fingerprint
+    assert all(c.args["attention_backend"] == "torch_native" for c in expand(matrix))
+    kernel = matrix.with_cpu_ops("kernel")
+    assert kernel.engine_env["EVALSVC_CPU_OPS"] == "kernel"
+    assert all("attention_backend" not in c.args for c in expand(kernel))
+    assert not {c.fingerprint for c in expand(matrix)} & {c.fingerprint for c in expand(kernel)}

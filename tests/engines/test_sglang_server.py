@@ -18,8 +18,10 @@ from evalsvc.engines.sglang_server import (
     parse_completion,
     parse_server_info,
     parse_spec_counters,
+    parse_tree_core,
     parse_version,
     resolved_mismatches,
+    tree_core_mismatch,
 )
 from evalsvc.metrics import sglang_accept_length, sglang_accept_rate
 
@@ -160,3 +162,62 @@ def test_resolved_mismatches():
     # auto may resolve to anything
     assert resolved_mismatches({"mamba_radix_cache_strategy": "auto"},
                                {"mamba_radix_cache_strategy": "no_buffer"}) == []
+
+
+# ---- the radix-tree core, read from the engine's log ---------------------------------------------
+
+# SGLang's own lines: ``logger.info("Using the Python TreeCore: %s", reason)`` in
+# ``mem_cache/unified_cache/tree_core_registry.py`` (0.5.21 to 0.5.23), with the reasons of
+# ``_rust_fallback_reason`` there, under SGLang's log format ``[%(asctime)s TP<rank>] %(message)s``.
+FALLBACK_LINES = {
+    "[2026-12-05 13:00:00 TP0] Using the Python TreeCore: this installation contains neither the "
+    "Rust TreeCore extension nor its sources":
+        "this installation contains neither the Rust TreeCore extension nor its sources",
+    "[2026-12-05 13:00:00.123 TP3] Using the Python TreeCore: PyTorch 2.9.1+cu128 is outside the "
+    "Rust TreeCore support range": "PyTorch 2.9.1+cu128 is outside the Rust TreeCore support range",
+    "[2026-12-05 13:00:00] Using the Python TreeCore: session-aware caching requires the Python "
+    "TreeCore": "session-aware caching requires the Python TreeCore",
+}
+START = "[2026-12-05 12:59:58] server_args=ServerArgs(model_path='Qwen/Qwen3-Next-80B-A3B')\n"
+
+
+@pytest.mark.parametrize("line", sorted(FALLBACK_LINES))
+def test_tree_core_fallback_read_from_sglangs_log_line(line):
+    log = START + line + "\n[2026-12-05 13:00:01 TP0] Load weight end.\n"
+    for asked in ("rust", None):
+        assert parse_tree_core(log, asked=asked, version="0.5.23") == {
+            "radix_tree_core": "python", "radix_tree_core_fallback": FALLBACK_LINES[line]}
+    mismatch = tree_core_mismatch("rust", parse_tree_core(log, asked="rust", version="0.5.22"))
+    assert mismatch.startswith("radix_tree_core: asked 'rust', server runs 'python' (Using the "
+                               "Python TreeCore: ") and FALLBACK_LINES[line] in mismatch
+
+
+@pytest.mark.parametrize(("version", "asked", "core"), [
+    ("0.5.23", None, "rust"), ("0.5.21", "rust", "rust"), ("0.5.23", "python", "python"),
+    ("0.5.20", None, "python"), ("0.5.19", "rust", "rust"), ("0.5.19", "python", "python"),
+    ("0.5.18", None, "python"), ("0.5.13", None, "python"),
+])
+def test_tree_core_without_a_fallback_line_is_the_asked_or_the_releases_default(version, asked,
+                                                                                  core):
+    found = parse_tree_core(START, asked=asked, version=version)
+    assert found == {"radix_tree_core": core, "radix_tree_core_fallback": None}
+    assert tree_core_mismatch(asked, found) is None
+
+
+def test_rust_asked_of_a_release_without_it_runs_python():
+    found = parse_tree_core(START, asked="rust", version="0.5.13")
+    assert found["radix_tree_core"] == "python" and "0.5.19" in found["radix_tree_core_fallback"]
+    assert tree_core_mismatch("rust", found).startswith(
+        "radix_tree_core: asked 'rust', server runs 'python'")
+    embedded = parse_tree_core("", asked="rust", version="0.1.0+evalsvc.embedded", embedded=True)
+    assert embedded["radix_tree_core"] == "python"
+
+
+def test_tree_core_unknown_without_a_log_where_sglang_could_fall_back():
+    assert parse_tree_core(None, asked="rust", version="0.5.23")["radix_tree_core"] is None
+    assert parse_tree_core(None, asked=None, version="0.5.23")["radix_tree_core"] is None
+    assert parse_tree_core(None, asked="python", version="0.5.23")["radix_tree_core"] == "python"
+    assert parse_tree_core(None, asked="rust", version="0.5.20")["radix_tree_core"] == "rust"
+    problem = tree_core_mismatch("rust", {"radix_tree_core": None}, "the engine has no log")
+    assert problem == ("radix_tree_core: asked 'rust', and which core the server runs cannot be "
+                       "told (the engine has no log)")

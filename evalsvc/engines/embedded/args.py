@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from evalsvc.engines.sglang_server import TREE_CORE_ENV
 from evalsvc.paths import DEFAULT_MODEL, shipped_models
 
 from .defects import ENV_VAR, Defect, parse_defect_strengths
@@ -93,9 +96,13 @@ class EngineArgs:
     defects: list[Defect] = field(default_factory=list)  # switched on, at any strength
     defect_strengths: dict[Defect, float] = field(default_factory=dict)  # each in (0, 1]
     warnings: list[str] = field(default_factory=list)
+    # SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=rust: why the Python core runs instead (logged as
+    # SGLang logs it; like SGLang's, /server_info does not show it)
+    tree_core_fallback: str | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        del data["tree_core_fallback"]
         data["defects"] = [str(d) for d in self.defects]
         data["defect_strengths"] = {str(d): s for d, s in self.defect_strengths.items()}
         return data
@@ -214,6 +221,7 @@ def resolve(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Engine
     except ValueError as exc:
         raise ArgError(str(exc)) from None
 
+    args.tree_core_fallback = _tree_core(os.environ if env is None else env)
     _check_platform(args)
     _resolve_mamba(args, config)
     _resolve_speculative(args, config)
@@ -222,6 +230,19 @@ def resolve(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Engine
     if args.random_seed is None:
         args.random_seed = random.randint(0, 1 << 30)
     return args
+
+
+def _tree_core(env: Mapping[str, str]) -> str | None:
+    """SGLang's radix-tree core switch: ``python`` runs as asked; ``rust`` falls back to Python (the
+    reason, which the scheduler logs as SGLang does); anything else is refused, as SGLang's
+    ``create_tree_core`` refuses a backend it has not registered."""
+    name = env.get(TREE_CORE_ENV, "python")
+    if name == "rust":
+        return "the embedded engine has no Rust TreeCore"
+    if name != "python":
+        raise ArgError(f"{TREE_CORE_ENV}={name!r} is not registered. Registered backends: "
+                       "['python', 'rust'].")
+    return None
 
 
 def _check_platform(args: EngineArgs) -> None:

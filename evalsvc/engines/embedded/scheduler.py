@@ -236,6 +236,8 @@ class Scheduler:
                                                  self.states.bytes_per_slot())
             self.host = HostPool(self.kv, self.states, tokens, slots)
         self.tree = RadixCache(self, args.hicache_write_policy if self.host else None)
+        if args.tree_core_fallback and self.radix:  # SGLang's line, which the launcher reads
+            log.info("Using the Python TreeCore: %s", args.tree_core_fallback)
         self.runner = ModelRunner(model, self.kv, self.states, self.host, self.spec_steps,
                                   deterministic=args.enable_deterministic_inference)
         self.stream = Stream(threaded=self.overlap)

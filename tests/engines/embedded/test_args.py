@@ -14,6 +14,7 @@ from evalsvc.engines.embedded.args import (
     resolve,
 )
 from evalsvc.engines.embedded.defects import ENV_VAR, Defect
+from evalsvc.engines.sglang_server import TREE_CORE_ENV
 from evalsvc.paths import MODELS_DIR
 
 MAMBA2 = (MODELS_DIR / "hybrid-mamba2-tiny").resolve()
@@ -479,3 +480,14 @@ def test_accepted_compat_flags():
     assert args.tp_size == 1
     assert args.enable_metrics is True
     assert args.to_dict()["model_path"] == args.model_path
+
+
+def test_tree_core_variable_python_runs_rust_falls_back_anything_else_refused(capsys):
+    assert res("--model-path", str(MAMBA2)).tree_core_fallback is None
+    python = res("--model-path", str(MAMBA2), env={TREE_CORE_ENV: "python"})
+    assert python.tree_core_fallback is None
+    rust = res("--model-path", str(MAMBA2), env={TREE_CORE_ENV: "rust"})
+    assert rust.tree_core_fallback == "the embedded engine has no Rust TreeCore"
+    assert "tree_core_fallback" not in rust.to_dict()  # not in /server_info, as in SGLang
+    message = refused(capsys, "--model-path", str(MAMBA2), env={TREE_CORE_ENV: "cpp"})
+    assert f"{TREE_CORE_ENV}='cpp' is not registered" in message
