@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from evalsvc import validation
 from evalsvc.engines.sglang_server import TREE_CORE_ENV
-from evalsvc.paths import shipped_model_dir
+from evalsvc.paths import shipped_model_dir, shipped_sglang_model_dir
 from evalsvc.types import RunResult
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -371,6 +371,17 @@ class MatrixFile(Strict):
         if TREE_CORE_ENV in self.engine_env and any(v is not None for v in asked):
             raise ValueError(f"engine_env.{TREE_CORE_ENV}: the radix_tree_core axis sets it per "
                              "config; give one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _shipped_sglang_models(self) -> MatrixFile:
+        """A model of a real-SGLang matrix named like a shipped SGLang checkpoint
+        (``evalsvc/assets/sglang-models/NAME``) is that directory, wherever the command runs."""
+        if self.engine == "sglang":
+            for entry in self.models.values():
+                directory = shipped_sglang_model_dir(entry.path)
+                if directory is not None:
+                    entry.path = str(directory)
         return self
 
     @model_validator(mode="after")

@@ -19,6 +19,16 @@ def shipped_model_dir(name: str) -> Path | None:
     return shipped_models().get(name)
 
 
+# checkpoints real SGLang loads (training/qwen3_next.py), apart from the embedded engine's models
+SGLANG_MODELS_DIR = ASSETS / "sglang-models"
+
+
+def shipped_sglang_model_dir(name: str) -> Path | None:
+    """A shipped SGLang checkpoint by its name (a directory under ``SGLANG_MODELS_DIR``)."""
+    directory = SGLANG_MODELS_DIR / name
+    return directory if "/" not in name and (directory / "config.json").is_file() else None
+
+
 def inside(root: str | Path, *parts: str | Path) -> Path:
     """``root / parts...``, resolved (symbolic links too); ValueError if it is not inside ``root``
     (an absolute part, ``..`` out of it, a link elsewhere, a NUL character)."""

@@ -95,8 +95,13 @@ def train(model: Qwen3NextForCausalLM, tok: Tokenizer, steps: int, batch: int, s
     model.eval()
     with torch.no_grad():
         x = batch_from(held, 32, torch.Generator().manual_seed(0))
-        held_loss = model(input_ids=x, labels=x).loss.item()
-    return {"held_out_loss_nats": round(held_loss, 4), "train_seconds": round(time.time() - t0, 1)}
+        out = model(input_ids=x, labels=x)
+        # the mean entropy of the next-token distributions: how peaked the model is, which sets
+        # how far a wrong state moves KL (a near-uniform random model hides most of it)
+        logp = out.logits.float().log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1).mean().item()
+    return {"held_out_loss_nats": round(out.loss.item(), 4),
+            "held_out_entropy_nats": round(entropy, 4), "train_seconds": round(time.time() - t0, 1)}
 
 
 def sglang_weights(sd: dict[str, torch.Tensor], cfg: Qwen3NextConfig,

@@ -4,8 +4,8 @@ prefill after ``/flush_cache``), the metrics and the verdicts.
 
 The environment is ``make sglang-cpu``'s recipe (``evalsvc.builds.sglang_cpu``), kept beside the
 contract envs (``$EVALSVC_SGLANG_ENV_DIR``, default ``~/.cache/evalsvc/sglang-envs``) so that a
-second run reuses it; the model is a random-weight tiny Qwen3-Next made by
-``training/qwen3_next.py`` in that environment.
+second run reuses it; the model is the shipped tiny Qwen3-Next (trained by
+``training/qwen3_next.py``).
 
 Two paths, as the matrix field ``cpu_ops`` chooses:
 
@@ -41,6 +41,7 @@ from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.sglang_cpu_ops import OPS
 from evalsvc.evaluate import evaluate, prepare, summary_rows
 from evalsvc.matrix import load_matrix
+from evalsvc.paths import shipped_sglang_model_dir
 from tests.conftest import in_ci
 from tests.processes import marked_processes
 
@@ -87,11 +88,11 @@ def kernel_dir(sglang_python: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qwen3_next(sglang_python: Path, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3-next") / "random"
-    subprocess.run([str(sglang_python), str(ROOT / "training" / "qwen3_next.py"), str(out),
-                    "--steps", "0"], check=True, capture_output=True, text=True, timeout=600)
-    return out
+def qwen3_next() -> Path:
+    """The shipped tiny Qwen3-Next, trained (training/qwen3_next.py; CI never trains)."""
+    model = shipped_sglang_model_dir("qwen3-next-tiny")
+    assert model is not None
+    return model
 
 
 def _ops_against_kernel(python: Path, kernel: Path | None = None) -> dict:
