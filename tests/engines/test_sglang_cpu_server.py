@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from rich.console import Console
 
 from evalsvc.builds import sglang_cpu
@@ -233,3 +234,35 @@ def test_the_kernel_ignores_the_conv_state_an_extend_starts_from(sglang_python, 
     assert min(diff[:width - 1]) > 0.5 and max(result["max_difference_from_zero_state"]) == 0, (
         f"the kernel now reads an initial conv state ({result}): update the README's and "
         "BENCHMARKS.md's account of real SGLang on this CPU (upstream PR #29068), and this test")
+
+
+@pytest.mark.parametrize("patches", [[], ["defect:deferred-ops-dropped"]], ids=["clean", "defect"])
+def test_a_build_of_the_release_starts_and_serves_with_and_without_a_defect_patch(
+        sglang_python, patches, tmp_path):
+    """``evalsvc run --source sglang==0.5.17 [--patch ...]``, as a user types it: the build is the
+    wheel's whole ``sglang`` package laid over the CPU environment, its engine starts and serves,
+    and the scenario is scored. With the defect patch, the manifest says the patch is in and the
+    server that runs it is the build's (its log names the build's files)."""
+    matrix = yaml.safe_load((ROOT / "configs" / "sglang-cpu.yaml").read_text())
+    matrix.update(name="sglang-cpu-build", scenarios=["cold", "prefill_hit"])
+    matrix["workload"]["num_prompts"] = 4
+    file = tmp_path / "sglang-cpu-build.yaml"
+    file.write_text(yaml.safe_dump(matrix))
+    env = {**os.environ, "EVALSVC_DATA_DIR": str(tmp_path / "data"), MARK: tmp_path.name}
+    argv = [str(ROOT / ".venv" / "bin" / "evalsvc"), "run", str(file), "--engine", "sglang",
+            "--engine-python", str(sglang_python), "--source", "sglang==0.5.17",
+            "--config", CHUNKED, "--out", str(tmp_path / "out"), "--no-store"]
+    for patch in patches:
+        argv += ["--patch", patch]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert {r["scenario"] for r in rows} == {"cold", "prefill_hit"}
+    assert all(r["verdict"] in ("pass", "fail") for r in rows), rows  # served and scored
+    assert all(r["kl_k3_mean"] is not None for r in rows), rows
+    [manifest] = (tmp_path / "data" / "builds").glob("*/manifest.json")
+    built = json.loads(manifest.read_text())
+    assert built["patches"] == patches or [p["name"] for p in built["patches"]] == patches
+    log = (tmp_path / "out" / "logs" / f"{CHUNKED}.log").read_text()
+    assert str(manifest.parent) in log  # SGLang ran from the build, not the environment's copy
+    assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
