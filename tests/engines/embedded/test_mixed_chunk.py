@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from evalsvc.engines.embedded.radix import RadixCache
 
@@ -153,12 +154,10 @@ class _Owner:
 
 
 def test_a_paged_tree_holds_whole_pages_only():
-    import torch
-
     tree = RadixCache(_Owner(), page_size=16)
     key = list(range(1, 33))
     tree.insert(key, torch.arange(32), 5)
-    assert tree.match_prefix(key + [99]).length == 32
+    assert tree.match_prefix([*key, 99]).length == 32
     assert tree.match_prefix(key[:31]).length == 0  # 31 tokens: one whole page, no state there
     with pytest.raises(AssertionError, match="page 16"):
         tree.insert(list(range(1, 21)), torch.arange(20), 6)
