@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
 import torch
 
+from evalsvc.engines.client import EngineClient
 from evalsvc.engines.embedded.radix import RadixCache
+from evalsvc.engines.sglang_server import build_plain_payload
+from evalsvc.scenarios import Context, mixed_hit
 
 from .conftest import FAMILIES, LocalEngine, request
 from .test_cache_paths import TOL
+from .test_server import new_engine
 
 pytestmark = pytest.mark.model
 
@@ -161,3 +166,43 @@ def test_a_paged_tree_holds_whole_pages_only():
     assert tree.match_prefix(key[:31]).length == 0  # 31 tokens: one whole page, no state there
     with pytest.raises(AssertionError, match="page 16"):
         tree.insert(list(range(1, 21)), torch.arange(20), 6)
+
+
+# ---- over HTTP: the client's background requests and the mixed_hit scenario --------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with new_engine(tmp_path_factory.mktemp("mixed"), [
+            "--enable-mixed-chunk", "--chunked-prefill-size", str(CHUNK), "--page-size", "16",
+            "--disable-overlap-schedule", "--mamba-track-interval", "64"]) as eng:
+        client = EngineClient(eng.base_url)
+        yield eng, client
+        client.close()
+
+
+def test_background_requests_decode_until_aborted(server):
+    _, client = server
+    short = build_plain_payload(tokens(30, 5), max_new_tokens=2, temperature=0.0)
+    long = build_plain_payload(tokens(30, 6), max_new_tokens=5000, temperature=0.0)
+    with client.decoding([short, long]) as running:
+        first = list(running.rids)
+        running.threads[0].join(30)  # the short one ends by itself
+        running.keep_decoding()
+        assert running.rids[0] != first[0] and running.rids[1] == first[1]  # sent again
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 30 and not any(t.is_alive() for t in running.threads)
+    client.flush(timeout=5)  # nothing left running: a flush is not refused
+
+
+def test_mixed_hit_scenario_hits_prefixes_prefilled_beside_decode_steps(server):
+    _, client = server
+    prompts = [(f"p{i}", tokens(160 + 10 * i, 20 + i)) for i in range(3)]
+    ctx = Context(client=client, reference=client, prompts=prompts, max_new_tokens=8,
+                  temperature=1.0, seed=0, track_interval=64, max_total_tokens=65536)
+    samples = mixed_hit(ctx)
+    assert [s.hit for s in samples] == [True] * 3
+    assert all(s.completion.cached_tokens % 64 == 0 for s in samples)
+    for s in samples:  # float32: the hit reproduces the cold reference
+        assert max(abs(a - b) for a, b in zip(s.completion.logprobs, s.reference, strict=True)) < TOL
+        assert s.extend and max(abs(a - b) for a, b in zip(s.extend, s.extend_reference,
+                                                            strict=True)) < TOL
