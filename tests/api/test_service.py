@@ -72,7 +72,7 @@ def test_smoke_job_end_to_end(service_factory, db_url):
 
     metrics = service.client.get("/metrics").text
     assert 'evalsvc_job_outcomes_total{status="done"} 1.0' in metrics
-    assert "evalsvc_run_duration_seconds_count 8.0" in metrics
+    assert "evalsvc_run_duration_seconds_count 9.0" in metrics
     assert "evalsvc_queue_length 0.0" in metrics
     assert "evalsvc_running_runs 0.0" in metrics
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught
