@@ -21,7 +21,7 @@ Each is off by default and switches one mechanism to its buggy variant; none add
   completed: the request's copy-on-write reads the slot before the load lands. Shows as KL on
   host-tier hits.
   Unit: the request whose prefix hit loads the state from the host (its load lands late).
-* ``mixed-chunk-track-dropped`` (PR #39342, fixed in SGLang 0.5.23): with ``--enable-mixed-chunk``
+* ``mixed-chunk-tracking-dropped`` (PR #39342, fixed in SGLang 0.5.23): with ``--enable-mixed-chunk``
   and extra_buffer, merging the running decode requests into a prefill batch drops the prefill
   rows' snapshot plan, yet the snapshot's track slot is donated to the tree anyway, so a later hit
   on that prefix resumes from whatever the unwritten slot held. Acts only in mixed batches (a
@@ -53,7 +53,7 @@ class Defect(StrEnum):
     DEFERRED_OPS_DROPPED = "deferred-ops-dropped"
     STALE_SPEC_METADATA = "stale-spec-metadata"
     HOST_LOAD_RACE = "host-load-race"
-    MIXED_CHUNK_TRACK_DROPPED = "mixed-chunk-track-dropped"
+    MIXED_CHUNK_TRACKING_DROPPED = "mixed-chunk-tracking-dropped"
 
 
 ENV_VAR = "EVALSVC_ENGINE_DEFECTS"

@@ -515,7 +515,7 @@ class Scheduler:
         batch.decoding = decoding
         for req in batch.reqs:
             view = batch.views[req.key]
-            if view.track and self._affected(Defect.MIXED_CHUNK_TRACK_DROPPED, req):
+            if view.track and self._affected(Defect.MIXED_CHUNK_TRACKING_DROPPED, req):
                 # the merge drops the prefill rows' tracking, but the snapshot's slot stays
                 # planned (``req.last_track``) and is donated to the tree unwritten
                 view.track = []

@@ -1,5 +1,5 @@
 """``--enable-mixed-chunk`` and ``--page-size``: a prefill merged into a decode batch, page-aligned
-chunks and matches, and the defect of SGLang PR #39342 (``mixed-chunk-track-dropped``).
+chunks and matches, and the defect of SGLang PR #39342 (``mixed-chunk-tracking-dropped``).
 
 A prompt is *seeded by a mixed prefill* when it arrives, without logprobs, while another request
 decodes (also without logprobs): its prefill runs in the same batch as that decode step. A later
@@ -104,7 +104,7 @@ def test_no_mixed_batch_where_sglang_does_not_mix(extra, seed_logprobs, bg_logpr
 
 @pytest.mark.parametrize("model", FAMILIES)
 def test_mixed_chunk_track_dropped_acts_only_on_prefills_mixed_into_decode(model, engine_factory):
-    defect = ("--inject-defect", "mixed-chunk-track-dropped")
+    defect = ("--inject-defect", "mixed-chunk-tracking-dropped")
     seed = tokens(150, 1)
     eng = engine_factory(flags(model, "--enable-mixed-chunk", *defect))
     seed_while_decoding(eng, seed)
