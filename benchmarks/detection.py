@@ -96,6 +96,11 @@ WHERE: dict[str, dict[str, set[tuple[str, str]]]] = {
         "may": {(c, s) for c in ("mamba2-eb-sync-nochunk-hicache", "gdn-nb-sync-c64-hicache")
                 for s in ("prefill_hit", "decode_hit", "branching")},
     },
+    "mixed-chunk-tracking-dropped": {
+        # only mixed_hit prefills beside decode steps with no request asking for logprobs
+        "must": {("mamba2-eb-sync-c128-mixed-p16", "mixed_hit")},
+        "may": set(),
+    },
 }
 
 

@@ -35,7 +35,8 @@ from evalsvc.paths import shipped_model_dir, shipped_sglang_model_dir
 from evalsvc.types import RunResult
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative")
+SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative",
+             "mixed_hit")
 
 
 # names that become parts of paths and database rows: matrix names, model keys (and through them
@@ -371,6 +372,9 @@ class MatrixFile(Strict):
         if TREE_CORE_ENV in self.engine_env and any(v is not None for v in asked):
             raise ValueError(f"engine_env.{TREE_CORE_ENV}: the radix_tree_core axis sets it per "
                              "config; give one of them")
+        if "page_size" in self.extra_args and ("page_size" in self.axes or any(
+                "page_size" in entry for entry in self.include)):
+            raise ValueError("extra_args.page_size: the page_size axis sets it; give it there")
         return self
 
     @model_validator(mode="after")
@@ -670,6 +674,8 @@ def applies(scenario: str, settings: dict[str, Any]) -> bool:
         return bool(settings["mtp"])
     if scenario in ("prefill_hit", "decode_hit", "branching"):
         return bool(settings["radix_cache"])
+    if scenario == "mixed_hit":
+        return bool(settings["radix_cache"] and settings["mixed_chunk"])
     return True
 
 

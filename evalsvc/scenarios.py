@@ -24,6 +24,11 @@ its prefix match to ``logprob_start_len``, which is the cached prefix here, so t
   requests must load them back from the host tier.
 * ``speculative``: greedy generation under MTP, one request at a time; acceptance is measured on
   top of KL.
+* ``mixed_hit`` (configs with ``--enable-mixed-chunk``): as ``prefill_hit``, but each prefix is
+  prefilled while other requests decode, and neither asks for logprobs, so the server mixes each
+  prefill into a decode batch (SGLang's ``mix_with_running``); the measured requests then hit
+  the prefixes prefilled that way. Only SGLang's public API: the decoding requests are streamed
+  until their first tokens come, and aborted by ``rid`` once the prefixes are in.
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evalsvc.engines.client import EngineClient, ScenarioError
-from evalsvc.engines.sglang_server import build_generate_payload, build_reference_payload
+from evalsvc.engines.sglang_server import (
+    build_generate_payload,
+    build_plain_payload,
+    build_reference_payload,
+)
 from evalsvc.types import Completion, TopLogprobs
 
 TOP_K = 5
@@ -184,6 +193,33 @@ def host_tier(ctx: Context) -> list[Sample]:
                     prefixes=seeded)
 
 
+BACKGROUND_REQUESTS = 2  # requests decoding while mixed_hit's prefixes are prefilled
+BACKGROUND_MAX_NEW_TOKENS = 2048  # each; aborted once the prefixes are in
+
+
+def mixed_hit(ctx: Context) -> list[Sample]:
+    ctx.client.flush()
+    cuts = [min(len(ids) - 2, max(80, int(len(ids) * ctx.rng.uniform(0.4, 0.7))))
+            for _, ids in ctx.prompts]
+    # reversed prompts: token sequences that share no prefix with the measured ones, so what
+    # the background requests cache is never what a measured request hits
+    background = []
+    for k in range(BACKGROUND_REQUESTS):
+        ids = list(reversed(ctx.prompts[k % len(ctx.prompts)][1]))[: 64 + k]
+        room = (ctx.max_total_tokens or 65536) // (4 * BACKGROUND_REQUESTS) - len(ids)
+        background.append(build_plain_payload(
+            ids, max_new_tokens=max(16, min(BACKGROUND_MAX_NEW_TOKENS, room)),
+            temperature=ctx.temperature, seed=ctx.seed + 10_000 + k))
+    with ctx.client.decoding(background) as running:
+        for i, ((_, ids), cut) in enumerate(zip(ctx.prompts, cuts, strict=True)):
+            running.keep_decoding()  # one at a time, each prefilled beside decode steps
+            ctx.client.generate(build_plain_payload(ids[:cut], max_new_tokens=0,
+                                                    temperature=ctx.temperature,
+                                                    seed=ctx.seed + i))
+    return _measure(ctx, "mixed_hit", ctx.prompts, lambda i, out: out.cached_tokens > 0,
+                    prefixes=cuts)
+
+
 def speculative(ctx: Context) -> list[Sample]:
     """Greedy generation one request at a time (acceptance is a per-request property; batch
     size one is how draft acceptance is usually benchmarked)."""
@@ -198,6 +234,6 @@ def speculative(ctx: Context) -> list[Sample]:
 
 SCENARIO_RUNNERS: dict[str, Callable[[Context], list[Sample]]] = {
     "cold": cold, "prefill_hit": prefill_hit, "decode_hit": decode_hit, "branching": branching,
-    "host_tier": host_tier, "speculative": speculative,
+    "host_tier": host_tier, "speculative": speculative, "mixed_hit": mixed_hit,
 }
 

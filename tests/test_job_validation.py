@@ -24,7 +24,7 @@ from evalsvc.store.db import Store
 from evalsvc.store.models import Job
 
 FAKE_PYTHON = str(Path(__file__).parent / "data" / "fake-python")
-SMOKE_CONFIGS = 8
+SMOKE_CONFIGS = 9
 
 
 def make_client(tmp_path: Path, **overrides) -> TestClient:
@@ -81,7 +81,7 @@ def test_a_small_inline_matrix_is_accepted(client):
 
 def test_configs_per_job_are_limited(tmp_path):
     with make_client(tmp_path, max_configs_per_job=4) as c:
-        refused(c, tmp_path, {"matrix": "smoke"}, "configs", "8", "4",
+        refused(c, tmp_path, {"matrix": "smoke"}, "configs", "9", "4",
                 "EVALSVC_MAX_CONFIGS_PER_JOB")
         # the limit counts every build's configs
         assert c.post("/api/v1/jobs", json={"matrix": "smoke", "configs": [

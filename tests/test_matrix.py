@@ -46,7 +46,7 @@ def test_shipped_matrices_load_and_expand():
 
 def test_smoke_covers_every_axis_both_ways():
     configs = expand(load_matrix("smoke"))
-    for axis in ("strategy", "overlap", "hicache", "mtp", "radix_cache"):
+    for axis in ("strategy", "overlap", "hicache", "mtp", "radix_cache", "mixed_chunk", "page_size"):
         values = {c.settings[axis] for c in configs if axis != "strategy" or c.settings["radix_cache"]}
         assert len(values) >= 2, f"smoke leaves axis {axis} at {values}"
     chunk = {c.settings["chunked_prefill"] for c in configs}
@@ -150,6 +150,42 @@ def test_a_file_that_is_no_matrix_is_named_but_not_shown(tmp_path):
     with pytest.raises(MatrixError) as err:
         load_matrix("thresholds")
     assert "not a matrix file" in str(err.value) and "rules" not in str(err.value)
+
+
+def test_mixed_chunk_and_page_size_axes():
+    m = MatrixFile.model_validate({**BASE, "axes": {**BASE["axes"], "mixed_chunk": [False, True],
+                                                    "page_size": [None, 16]}})
+    configs = {c.name: c for c in expand(m)}
+    assert len(configs) == 16
+    cfg = configs["m-eb-sync-mixed-p16"]
+    assert cfg.args["enable_mixed_chunk"] is True and cfg.args["page_size"] == 16
+    assert "mixed_hit" in cfg.scenarios
+    plain = configs["m-eb-sync"]
+    assert "enable_mixed_chunk" not in plain.args and "page_size" not in plain.args
+    assert "mixed_hit" not in plain.scenarios
+    # configs without the new axes keep the arguments, and so the fingerprints, they had
+    assert plain.settings["mixed_chunk"] is False and plain.settings["page_size"] is None
+    smoke = {c.name for c in expand(load_matrix("smoke"))}
+    assert "mamba2-eb-sync-c128-mixed-p16" in smoke and "mamba2-eb-ov-c64" in smoke
+
+
+@pytest.mark.parametrize(("entry", "key"), [
+    ({"page_size": 0}, "include[0].page_size"),
+    ({"page_size": "16"}, "include[0].page_size"),
+    ({"page_size": True}, "include[0].page_size"),
+    ({"mixed_chunk": "yes"}, "include[0].mixed_chunk"),
+])
+def test_mixed_chunk_and_page_size_values_are_checked(entry, key):
+    with pytest.raises(ValidationError, match=re.escape(key)):
+        MatrixFile.model_validate({**BASE, "include": [entry]})
+
+
+def test_page_size_is_set_by_its_axis_or_extra_args_not_both():
+    with pytest.raises(ValidationError, match=re.escape("extra_args.page_size")):
+        MatrixFile.model_validate({**BASE, "extra_args": {"page_size": 16},
+                                   "include": [{"page_size": 32}]})
+    m = MatrixFile.model_validate({**BASE, "extra_args": {"page_size": 16}})
+    assert all(c.args["page_size"] == 16 for c in expand(m))
 
 
 @pytest.mark.parametrize(("section", "entry", "key"), [

@@ -5,7 +5,9 @@ to the work in flight (``work_seconds``) and the errors a scenario reports (``Sc
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import threading
 import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -186,9 +188,97 @@ class EngineClient:
                 raise ScenarioError(f"/flush_cache kept failing: {resp.status_code} {resp.text!r}")
             time.sleep(0.05)
 
+    def abort(self, rid: str) -> None:
+        """Abort a request by its ``rid`` (SGLang's ``/abort_request``)."""
+        resp = self._send("POST", "/abort_request", self.timeout, json={"rid": rid})
+        if resp.status_code != 200:
+            raise ScenarioError(f"/abort_request answered {resp.status_code}: {resp.text[:300]!r}")
+
+    def decoding(self, payloads: list[dict]) -> Background:
+        """Background requests that decode while the caller sends others (a context manager; see
+        :class:`Background`)."""
+        return Background(self, payloads)
+
     def server_info(self) -> dict:
         for path in ("/server_info", "/get_server_info"):
             resp = self._send("GET", path, self.timeout)
             if resp.status_code == 200:
                 return resp.json()
         raise ScenarioError(f"/server_info answered {resp.status_code}")
+
+
+_background_ids = itertools.count(1)
+
+
+class Background:
+    """Requests kept decoding in the background, each streamed on a thread of its own: on entry
+    each is sent and waited for until its first tokens arrive (it is then in the running batch);
+    ``keep_decoding`` sends again any that finished and waits the same way; on exit the ones still
+    running are aborted (``/abort_request``) and their streams read to the end. Each request gets
+    a ``rid`` of its own, and ``stream`` on."""
+
+    def __init__(self, client: EngineClient, payloads: list[dict]) -> None:
+        self.client = client
+        self.payloads = payloads
+        self.threads: list[threading.Thread | None] = [None] * len(payloads)
+        self.rids: list[str] = [""] * len(payloads)
+        self.started: list[threading.Event] = [threading.Event() for _ in payloads]
+        self.errors: list[str] = []
+
+    def __enter__(self) -> Background:
+        self.keep_decoding()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for i, thread in enumerate(self.threads):
+            if thread is not None and thread.is_alive():
+                self.client.abort(self.rids[i])
+        for thread in self.threads:
+            if thread is not None:
+                thread.join(self.client.timeout)
+                if thread.is_alive():
+                    raise self.client._timeout("/generate (an aborted background request)",
+                                               self.client.timeout)
+        if self.errors and exc == (None, None, None):
+            raise ScenarioError(self.errors[0])
+
+    def keep_decoding(self) -> None:
+        """Make sure each background request is decoding: start again those that ended."""
+        for i, thread in enumerate(self.threads):
+            if thread is None or not thread.is_alive():
+                self._start(i)
+        seconds = work_seconds(self.payloads)
+        for started in self.started:
+            if not started.wait(seconds):
+                raise self.client._timeout("/generate (a background request's first tokens)",
+                                           seconds)
+        if self.errors:
+            raise ScenarioError(self.errors[0])
+
+    def _start(self, i: int) -> None:
+        rid = f"evalsvc-background-{next(_background_ids)}"
+        payload = {**self.payloads[i], "rid": rid, "stream": True}
+        started = self.started[i] = threading.Event()
+        self.rids[i] = rid
+        thread = threading.Thread(target=self._stream, args=(payload, started), daemon=True,
+                                  name=f"background-{rid}")
+        self.threads[i] = thread
+        thread.start()
+
+    def _stream(self, payload: dict, started: threading.Event) -> None:
+        seconds = work_seconds([payload])
+        try:
+            with self.client.http.stream("POST", "/generate", json=payload,
+                                         timeout=seconds) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    self.errors.append(f"/generate (background) answered {resp.status_code}: "
+                                       f"{resp.text[:300]}")
+                    return
+                for line in resp.iter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        started.set()
+        except httpx.HTTPError as exc:
+            self.errors.append(f"/generate (background): {type(exc).__name__}: {exc}")
+        finally:
+            started.set()  # ended: keep_decoding starts it again

@@ -139,6 +139,18 @@ def build_generate_payload(input_ids: list[int], *, max_new_tokens: int, tempera
     return payload
 
 
+def build_plain_payload(input_ids: list[int], *, max_new_tokens: int, temperature: float,
+                        seed: int | None = None, ignore_eos: bool = True) -> dict[str, Any]:
+    """A ``/generate`` body that asks for no logprobs at all: a server with
+    ``--enable-mixed-chunk`` may run its prefill in the same batch as the running decode steps
+    (SGLang mixes no batch in which any request asks for logprobs)."""
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                                "ignore_eos": ignore_eos}
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    return {"input_ids": list(input_ids), "sampling_params": sampling}
+
+
 def build_reference_payload(prompt_ids: list[int], output_ids: list[int], *,
                             top_logprobs_num: int = 0, rid: str | None = None) -> dict[str, Any]:
     """SGLang's reference: a teacher-forced prefill of prompt + output (``max_new_tokens=0``,

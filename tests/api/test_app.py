@@ -113,9 +113,9 @@ def test_a_valid_job_is_queued_and_listed(client, tmp_path):
 
 def test_reads_of_matrices_and_missing_things(client):
     names = {m["name"]: m for m in client.get("/api/v1/matrices").json()}
-    assert names["smoke"]["configs"] == 8 and names["smoke"]["engine"] == "embedded"
+    assert names["smoke"]["configs"] == 9 and names["smoke"]["engine"] == "embedded"
     smoke = client.get("/api/v1/matrices/smoke").json()
-    assert len(smoke["configs"]) == 8 and all(c["fingerprint"] for c in smoke["configs"])
+    assert len(smoke["configs"]) == 9 and all(c["fingerprint"] for c in smoke["configs"])
     assert client.get("/api/v1/matrices/nope").status_code == 404
     assert client.get("/api/v1/jobs/nope").status_code == 404
     assert client.get("/api/v1/runs/1").status_code == 404

@@ -43,11 +43,11 @@ def test_smoke_job_end_to_end(service_factory, db_url):
     job = service.wait(job_id, timeout=900)
     assert job["status"] == "done", job
     assert job["trigger"] == "api" and job["matrix"] == "smoke"
-    assert len(job["runs"]) == 8 and job["progress"] == {"done": 8}
+    assert len(job["runs"]) == 9 and job["progress"] == {"done": 9}
     assert all(r["verdict"] == "pass" for r in job["runs"]), job["runs"]
 
     commits = service.client.get("/api/v1/commits").json()
-    assert len(commits) == 1 and commits[0]["verdicts"] == {"pass": 8}
+    assert len(commits) == 1 and commits[0]["verdicts"] == {"pass": 9}
     ref = commits[0]["ref"]
     results = service.client.get(f"/api/v1/commits/{ref}/results").json()
     assert {r["config"] for r in results["runs"]} == {r["config"] for r in job["runs"]}
@@ -72,7 +72,7 @@ def test_smoke_job_end_to_end(service_factory, db_url):
 
     metrics = service.client.get("/metrics").text
     assert 'evalsvc_job_outcomes_total{status="done"} 1.0' in metrics
-    assert "evalsvc_run_duration_seconds_count 8.0" in metrics
+    assert "evalsvc_run_duration_seconds_count 9.0" in metrics
     assert "evalsvc_queue_length 0.0" in metrics
     assert "evalsvc_running_runs 0.0" in metrics
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught

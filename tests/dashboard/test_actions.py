@@ -189,7 +189,7 @@ def test_posting_and_cancelling_a_job_from_the_pages_is_recorded(tmp_path, db_ur
         form = c.get("/jobs/new").text
         assert 'id="job-form"' in form
         configs = re.findall(r'name="configs" value="([^"]+)"', form)
-        assert CONFIG in configs and len(configs) == 8  # the smoke matrix's
+        assert CONFIG in configs and len(configs) == 9  # the smoke matrix's
         resp = c.post("/jobs", follow_redirects=False, data={
             "matrix": "smoke", "configs": [CONFIG, "gdn-eb-ov-c64"], "baseline_source": "",
             "baseline_patches": "", "second_build": "1", "contender_source": "",

@@ -1,7 +1,8 @@
 """Command line of the embedded engine: SGLang's flag names, resolved and validated as SGLang does.
 
 Resolution follows SGLang 0.5.23's order: the Mamba radix-cache strategy first (``auto`` becomes
-``extra_buffer`` when the overlap scheduler is on, otherwise ``no_buffer`` with overlap off), then
+``extra_buffer`` when the overlap scheduler is on or ``--page-size`` is above 1, otherwise
+``no_buffer`` with overlap off), then
 speculative decoding (``NEXTN`` becomes ``EAGLE`` with 3 steps, top-k 1 and 4 draft tokens; on CPU
 it turns the overlap scheduler off), then HiCache and memory sizes. An unknown flag, a bad value or
 a combination SGLang refuses stops the engine at start with a message naming it (exit code 2).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 from collections.abc import Mapping
@@ -77,6 +79,7 @@ class EngineArgs:
     random_seed: int | None = None
     enable_deterministic_inference: bool = False
     page_size: int | None = None
+    enable_mixed_chunk: bool = False
     tp_size: int = 1
     dp_size: int = 1
     mem_fraction_static: float | None = None
@@ -153,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-total-tokens", type=int, default=None)
     a("--random-seed", type=int, default=None)
     a("--enable-deterministic-inference", action="store_true")
-    a("--page-size", type=int, default=None)
+    a("--page-size", type=int, default=None, help="tokens per KV page (default 1); above 1 the "
+      "prefix cache matches whole pages and needs extra_buffer")
+    a("--enable-mixed-chunk", action="store_true",
+      help="run a prefill chunk and the running decode requests in one batch (needs chunked "
+           "prefill; not when a request asks for logprobs)")
     a("--tp-size", "--tp", type=int, default=1)
     a("--dp-size", "--dp", type=int, default=1)
     a("--mem-fraction-static", type=float, default=None, help="accepted; the engine sizes pools "
@@ -246,10 +253,8 @@ def _tree_core(env: Mapping[str, str]) -> str | None:
 
 
 def _check_platform(args: EngineArgs) -> None:
-    if args.page_size is None:
-        args.page_size = 1
-    if args.page_size != 1:
-        raise ArgError(f"--page-size {args.page_size}: the embedded engine supports page size 1")
+    if args.page_size is not None and args.page_size < 1:
+        raise ArgError(f"--page-size {args.page_size} must be at least 1")
     if args.tp_size != 1 or args.dp_size != 1:
         raise ArgError("--tp-size/--dp-size: the embedded engine runs on one CPU device (1)")
     if args.stream_interval < 1:
@@ -268,16 +273,27 @@ def _resolve_mamba(args: EngineArgs, config: dict) -> None:
                        "embedded engine; use extra_buffer")
     if args.disable_radix_cache:  # SGLang resolves nothing: no Mamba radix cache at all
         return
+    page = args.page_size  # None: not given (SGLang's validators skip their page checks then)
     if s == "auto":
-        if not args.disable_overlap_schedule:
+        if not args.disable_overlap_schedule or (page is not None and page > 1):
             args.mamba_radix_cache_strategy = "extra_buffer"
         else:
             args.mamba_radix_cache_strategy = "no_buffer"
             args.disable_overlap_schedule = True
     s = args.mamba_radix_cache_strategy
+    if s == "no_buffer" and page not in (None, 1):
+        raise ArgError(f"--page-size {page}: no_buffer only supports page_size=1.")
     if s == "no_buffer" and not args.disable_overlap_schedule:
         raise ArgError("--mamba-radix-cache-strategy no_buffer does not support the overlap "
                        "schedule; add --disable-overlap-schedule")
+    if s == "extra_buffer" and page is not None:
+        if args.mamba_track_interval % page:
+            raise ArgError(f"--mamba-track-interval {args.mamba_track_interval} must be a "
+                           f"multiple of --page-size {page}")
+        if max(MAMBA_CHUNK_SIZE, page) % min(MAMBA_CHUNK_SIZE, page):
+            raise ArgError(f"--page-size {page}: For SSM models, either chunk_size or page_size "
+                           f"must be divisible by the other, got chunk_size={MAMBA_CHUNK_SIZE}, "
+                           f"page_size={page}")
     if s == "extra_buffer":
         if (args.speculative_num_draft_tokens is not None
                 and args.mamba_track_interval < args.speculative_num_draft_tokens):
@@ -287,10 +303,10 @@ def _resolve_mamba(args: EngineArgs, config: dict) -> None:
         if config.get("family") == "mamba2" and args.mamba_track_interval < MAMBA_CHUNK_SIZE:
             raise ArgError(f"--mamba-track-interval {args.mamba_track_interval} must be >= "
                            f"mamba_chunk_size ({MAMBA_CHUNK_SIZE}) for Mamba2 layers")
-        csize = args.chunked_prefill_size
-        if csize is not None and 0 < csize < MAMBA_CHUNK_SIZE:
+        csize, cache_chunk = args.chunked_prefill_size, mamba_cache_chunk_size(page or 1)
+        if csize is not None and 0 < csize < cache_chunk:
             args.warnings.append(f"extra_buffer with --chunked-prefill-size {csize} smaller than "
-                                 f"the mamba cache chunk size {MAMBA_CHUNK_SIZE}: prefill chunks "
+                                 f"the mamba cache chunk size {cache_chunk}: prefill chunks "
                                  "take no snapshots")
 
 
@@ -304,6 +320,10 @@ def _resolve_speculative(args: EngineArgs, config: dict) -> None:
         if args.max_running_requests is None:
             args.max_running_requests = 64
         return
+    if args.enable_mixed_chunk:
+        raise ArgError(f"--enable-mixed-chunk with --speculative-algorithm {alg}: the embedded "
+                       "engine mixes prefill chunks into plain decode batches only (SGLang mixes "
+                       "them into EAGLE's verify steps)")
     if alg not in ("NEXTN", "EAGLE"):
         raise ArgError(f"--speculative-algorithm {alg}: the embedded engine drafts with the "
                        "model's MTP head; use NEXTN (or EAGLE)")
@@ -344,6 +364,17 @@ def _resolve_speculative(args: EngineArgs, config: dict) -> None:
                        f"{args.speculative_num_draft_tokens}")
 
 
+def mamba_cache_chunk_size(page_size: int) -> int:
+    """SGLang's caching grid of prefill snapshots: the larger of the mixers' chunk size and the
+    page size (one divides the other)."""
+    return max(MAMBA_CHUNK_SIZE, page_size)
+
+
+def mamba_track_grid(page_size: int, track_interval: int) -> int:
+    """SGLang's grid of decode snapshots: on the cache chunk grid and on the track interval."""
+    return math.lcm(mamba_cache_chunk_size(page_size), page_size, track_interval)
+
+
 def _resolve_hicache(args: EngineArgs) -> None:
     if not args.enable_hierarchical_cache:
         return
@@ -367,6 +398,11 @@ def _resolve_sizes(args: EngineArgs, config: dict) -> None:
         args.chunked_prefill_size = 4096
     elif args.chunked_prefill_size <= 0:
         args.chunked_prefill_size = -1
+    if args.page_size is None:
+        args.page_size = 1
+    if args.chunked_prefill_size > 0 and args.chunked_prefill_size % args.page_size:
+        raise ArgError(f"--chunked-prefill-size {args.chunked_prefill_size}: "
+                       f"chunked_prefill_size must be divisible by page_size ({args.page_size})")
     if args.max_total_tokens is None:
         args.max_total_tokens = 65536
     if args.max_mamba_cache_size is None:

@@ -21,6 +21,13 @@ Each is off by default and switches one mechanism to its buggy variant; none add
   completed: the request's copy-on-write reads the slot before the load lands. Shows as KL on
   host-tier hits.
   Unit: the request whose prefix hit loads the state from the host (its load lands late).
+* ``mixed-chunk-tracking-dropped`` (PR #39342, fixed in SGLang 0.5.23): with ``--enable-mixed-chunk``
+  and extra_buffer, merging the running decode requests into a prefill batch drops the prefill
+  rows' snapshot plan, yet the snapshot's track slot is donated to the tree anyway, so a later hit
+  on that prefix resumes from whatever the unwritten slot held. Acts only in mixed batches (a
+  prefill while requests decode, no request asking for logprobs); shows as KL on prefix hits of
+  prefixes prefilled that way.
+  Unit: the prefill request whose snapshot is dropped.
 
 Strength. Each defect takes a strength in (0, 1], the fraction of requests it affects:
 ``--inject-defect snapshot-race@0.25`` or ``EVALSVC_ENGINE_DEFECTS=snapshot-race@0.25,host-load-race``
@@ -46,6 +53,7 @@ class Defect(StrEnum):
     DEFERRED_OPS_DROPPED = "deferred-ops-dropped"
     STALE_SPEC_METADATA = "stale-spec-metadata"
     HOST_LOAD_RACE = "host-load-race"
+    MIXED_CHUNK_TRACKING_DROPPED = "mixed-chunk-tracking-dropped"
 
 
 ENV_VAR = "EVALSVC_ENGINE_DEFECTS"

@@ -9,6 +9,10 @@ over unlocked nodes for states (an internal node loses its state and becomes a t
 The tree only does bookkeeping: it frees and allocates indices, and asks its ``owner`` to copy data to
 the host tier, but never touches pool memory itself.
 
+With a page size above 1 the tree holds whole pages, as SGLang's: a match considers the key's
+page-aligned part only, and what is inserted is page-aligned (the scheduler's snapshot positions
+always are).
+
 Requests that carry an ``extra_key`` or ``cache_salt`` (SGLang's cache namespaces) match and insert
 under a root of their namespace: they share cached prefixes only with requests of the same one.
 Eviction is over all namespaces together.
@@ -72,9 +76,11 @@ class MatchResult:
 
 
 class RadixCache:
-    def __init__(self, owner: TreeOwner, write_policy: str | None = None) -> None:
+    def __init__(self, owner: TreeOwner, write_policy: str | None = None,
+                 page_size: int = 1) -> None:
         self.owner = owner
         self.write_policy = write_policy  # None: no host tier
+        self.page_size = page_size
         self._clock = itertools.count(1)
         self.reset()
 
@@ -93,6 +99,7 @@ class RadixCache:
     # ---- matching -------------------------------------------------------------------------
     def match_prefix(self, key: list[int], namespace: Hashable = None) -> MatchResult:
         root = self.root_of(namespace)
+        key = key[: len(key) // self.page_size * self.page_size]
         node, pos, path = root, 0, []
         best = MatchResult(0, root, [], 0)
         now = next(self._clock)
@@ -138,6 +145,7 @@ class RadixCache:
         tree took ``mamba``: if the node already had a state the caller keeps ownership of it).
         """
         assert len(key) == len(value)
+        assert len(key) % self.page_size == 0, f"insert of {len(key)} tokens, page {self.page_size}"
         root = self.root_of(namespace)
         node, pos, dup, created = root, 0, [], []
         now = next(self._clock)

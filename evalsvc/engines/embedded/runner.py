@@ -59,7 +59,7 @@ class ReqView:
 @dataclass
 class ForwardBatch:
     id: int
-    mode: str  # "extend" | "decode"
+    mode: str  # "extend" | "decode" | "mixed" (an extend whose decode rows have no input_ids)
     reqs: list[ReqView]
     cow_src: list[int] | None = None
     cow_dst: list[int] | None = None
@@ -114,10 +114,10 @@ class ModelRunner:
         for host_idx, dev_idx in fb.kv_loads:
             self.host.load_kv(self.kv, host_idx, dev_idx)
         self._load_states(fb, late=False)
-        if fb.mode == "extend":  # deferred ops belong to the extend that first runs a request
+        if fb.mode != "decode":  # deferred ops belong to the extend that first runs a request
             self.states.clear_slots(fb.clear or [])
             self.states.copy_from(fb.cow_src or [], fb.cow_dst or [])
-        if fb.mode == "extend":
+        if fb.mode != "decode":
             results = self._extend(fb)
         elif fb.spec:
             results = self._verify(fb)
@@ -166,8 +166,11 @@ class ModelRunner:
 
     # ---- extend ---------------------------------------------------------------------------
     def _extend(self, fb: ForwardBatch) -> list[ReqResult]:
+        """An extend, or a mixed batch: its decode rows (``input_ids`` None) are one-token
+        extends of the last sampled token, run by the same kernels as the prefill rows."""
         views = fb.reqs
-        ids = [v.input_ids for v in views]
+        ids = [v.input_ids if v.input_ids is not None else [self.last_token[v.rid]]
+               for v in views]
         capture = [(b, length - v.start) for b, v in enumerate(views) for length, _ in v.track]
         out, lengths = self._run_target(views, ids, capture, "extend")
         slots = [v.slot for v in views]

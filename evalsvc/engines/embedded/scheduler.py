@@ -10,8 +10,16 @@ It follows SGLang's scheduler for hybrid models:
 * ``no_buffer``: after every extend the whole processed prefix is cached with a copy of the state;
   at the end the request's slot is donated to the tree.
   ``extra_buffer``: requests own ping-pong track slots; the forward snapshots the state at
-  chunk-aligned prefill positions (relative to the prefix) and every ``--mamba-track-interval``
-  decode tokens, and the tree receives the track slot holding the newest snapshot (donated).
+  chunk-aligned prefill positions (relative to the prefix; the chunk is the larger of the mixers'
+  64 tokens and ``--page-size``) and at decode lengths on the grid of both that chunk and
+  ``--mamba-track-interval``, and the tree receives the track slot holding the newest snapshot
+  (donated).
+* ``--page-size`` above 1: prefix matches end on whole pages, and a prompt is cut into chunks at
+  page boundaries.
+* ``--enable-mixed-chunk``: a prefill batch takes the running decode requests along as one-token
+  rows (SGLang's ``mix_with_running``), its chunk budget less one token per running request; not
+  when any request of either batch asks for logprobs. The prefill rows keep their snapshots; the
+  decode rows take none in that step.
 * Overlap: the scheduler prepares batch N+1 while batch N runs on a forward thread; results of N are
   processed after N+1 is launched. Pool memory is only touched on that thread, in batch order.
 * HiCache: nodes are written to a host tier (write_through, write_through_selective, write_back),
@@ -36,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .args import EngineArgs
+from .args import EngineArgs, mamba_cache_chunk_size, mamba_track_grid
 from .defects import Defect, affects
 from .memory import HostPool, KVPool, StatePool
 from .model import HybridLM
@@ -46,7 +54,6 @@ from .tokenizer import TextTokenizer
 
 log = logging.getLogger("evalsvc.engine")
 
-MAMBA_CACHE_CHUNK_SIZE = 64  # FLA's chunk size: SGLang aligns prefill snapshots to it
 MAX_PREFILL_TOKENS = 16384  # extend tokens per batch when chunked prefill is off
 
 
@@ -162,6 +169,7 @@ class ScheduleBatch:
         self.id = ScheduleBatch._ids
         self.reqs = reqs
         self.mode = mode
+        self.decoding: list[Req] = []  # a mixed batch: the running requests it decodes
         self.mamba_cow_src_indices: list[int] | None = None
         self.mamba_cow_dst_indices: list[int] | None = None
         self.mamba_clear_indices: list[int] | None = None
@@ -225,6 +233,11 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule
         self.spec_steps = args.speculative_num_steps if args.speculative_algorithm else 0
         self.chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        self.page = args.page_size
+        self.cache_chunk = mamba_cache_chunk_size(self.page)
+        self.track_grid = mamba_track_grid(self.page, args.mamba_track_interval)
+        # as SGLang's ``is_mixed_chunk``: mixing needs chunked prefill
+        self.mixed_chunk = args.enable_mixed_chunk and self.chunk is not None
         self.n_track = 0
         if self.strategy == "extra_buffer":
             self.n_track = 2 if self.overlap else 1
@@ -235,7 +248,8 @@ class Scheduler:
             tokens, slots = args.host_pool_sizes(self.kv.bytes_per_token(),
                                                  self.states.bytes_per_slot())
             self.host = HostPool(self.kv, self.states, tokens, slots)
-        self.tree = RadixCache(self, args.hicache_write_policy if self.host else None)
+        self.tree = RadixCache(self, args.hicache_write_policy if self.host else None,
+                               page_size=self.page)
         if args.tree_core_fallback and self.radix:  # SGLang's line, which the launcher reads
             log.info("Using the Python TreeCore: %s", args.tree_core_fallback)
         self.runner = ModelRunner(model, self.kv, self.states, self.host, self.spec_steps,
@@ -463,6 +477,8 @@ class Scheduler:
         self._merge_finished_prefills()
         batch = self._prefill_batch()
         if batch is not None:
+            if self._can_mix(batch):
+                self._mix_with_running(batch)
             return batch
         self.running.reqs = [r for r in self.running.reqs if not r.finished]
         if not self.running.reqs:
@@ -483,19 +499,48 @@ class Scheduler:
         self.to_merge = []
         self.to_merge_batch = None
 
+    def _can_mix(self, batch: ScheduleBatch) -> bool:
+        """SGLang's rule for a mixed batch: mixed chunk on, requests decoding, and no request of
+        either batch asking for logprobs (of its input or its output)."""
+        self.running.reqs = [r for r in self.running.reqs if not r.finished]
+        return (self.mixed_chunk and bool(self.running.reqs)
+                and not any(r.inp.return_logprob for r in batch.reqs + self.running.reqs))
+
+    def _mix_with_running(self, batch: ScheduleBatch) -> None:
+        """Decode the running requests in the prefill batch, one token each, after its prefill
+        rows; the batch joins the running batch afterwards as a whole (prefills that finished,
+        then the decode rows)."""
+        decoding = self.running.reqs
+        batch.mode = "mixed"
+        batch.decoding = decoding
+        for req in batch.reqs:
+            view = batch.views[req.key]
+            if view.track and self._affected(Defect.MIXED_CHUNK_TRACKING_DROPPED, req):
+                # the merge drops the prefill rows' tracking, but the snapshot's slot stays
+                # planned (``req.last_track``) and is donated to the tree unwritten
+                view.track = []
+        for req in decoding:
+            self._decode_view(batch, req, track=False)
+        batch.reqs = batch.reqs + decoding
+        self.to_merge = self.to_merge + decoding
+        self.running = ScheduleBatch([], "decode")
+        self.stats.mixed_batches += 1
+
     def _prefill_batch(self) -> ScheduleBatch | None:
         budget = self.chunk or MAX_PREFILL_TOKENS
+        if self.mixed_chunk:  # the running requests' decode tokens share the chunk
+            budget -= sum(1 for r in self.running.reqs if not r.finished)
         reqs: list[Req] = []
         batch = ScheduleBatch(reqs, "extend")
         if self.chunked_req is not None and self.chunked_req.finished:  # aborted
             self.chunked_req = None
-        if self.chunked_req is not None:
+        if self.chunked_req is not None and budget >= self.page:
             req = self.chunked_req
             self.chunked_req = None
             self._cache_unfinished(req)
             budget -= self._schedule_extend(batch, req, budget)
         running = len(self.running.reqs) + len(reqs)
-        while self.waiting and budget > 0 and self.chunked_req is None:
+        while self.waiting and budget >= self.page and self.chunked_req is None:
             if running >= self.args.max_running_requests:
                 break
             req = self.waiting[0]
@@ -566,7 +611,8 @@ class Scheduler:
             if n < len(child.key):
                 break
             node = child
-        aligned = pos // MAMBA_CACHE_CHUNK_SIZE * MAMBA_CACHE_CHUNK_SIZE
+        pos = pos // self.page * self.page  # the tree holds whole pages
+        aligned = pos // self.cache_chunk * self.cache_chunk
         return aligned if aligned > match.length else None
 
     def _load_back(self, match, batch: ScheduleBatch, req: Req) -> bool:
@@ -591,6 +637,8 @@ class Scheduler:
         start = req.scheduled
         end = min(req.prompt_len, start + budget)
         final = end == req.prompt_len
+        if not final:  # a cut lands on a page boundary (``start`` is on one)
+            end = end // self.page * self.page
         kv_new = self._alloc_kv(end - start)
         req.kv = torch.cat([req.kv, kv_new])
         req.reserved -= end - start
@@ -617,7 +665,7 @@ class Scheduler:
         return end - start
 
     def _plan_prefill_track(self, req: Req, view: ReqView, start: int, end: int) -> None:
-        c = MAMBA_CACHE_CHUNK_SIZE
+        c = self.cache_chunk
         length = None
         if end - start >= c:
             length = start + (end - start) // c * c
@@ -669,32 +717,37 @@ class Scheduler:
         batch.mamba_cow_dst_indices = dst or None
         batch.mamba_clear_indices = clear or None
         batch.views = {}
-        n = self.spec_steps + 1
         for req in batch.reqs:
-            start = req.scheduled
-            kv_new = self._alloc_kv(n)
-            req.kv = torch.cat([req.kv, kv_new])
-            req.reserved -= n
-            req.scheduled = start + (1 if not self.spec_steps else 0)
-            view = ReqView(rid=req.key, slot=req.slot, start=start, kv_past=req.kv[:start],
-                           kv_new=kv_new, input_ids=None, sample=True,
-                           sampling=self._sampling(req),
-                           budget=req.sp.max_new_tokens - len(req.output_ids))
-            if req.inp.return_logprob:
-                view.top_logprobs_num = req.inp.top_logprobs_num
-                view.token_ids_logprob = req.inp.token_ids_logprob
-            if self.strategy == "extra_buffer":
-                slot = req.track_slots[req.track_next]
-                if self.spec_steps:
-                    view.track_interval, view.track_slot = self.args.mamba_track_interval, slot
-                elif (start + 1) % self.args.mamba_track_interval == 0:
-                    # the snapshot becomes the request's newest when this batch's result is
-                    # processed (``_apply``), not before: under overlap the batch ahead of a
-                    # finishing step is dropped, and its snapshot with it
-                    view.track.append((start + 1, slot))
-                    req.track_next = (req.track_next + 1) % len(req.track_slots)
-            batch.views[req.key] = view
-            req.inflight += 1
+            self._decode_view(batch, req, track=True)
+
+    def _decode_view(self, batch: ScheduleBatch, req: Req, track: bool) -> None:
+        """One decode step of ``req`` in ``batch`` (its view, KV, snapshot); ``track``: whether
+        the step may snapshot (not in a mixed batch)."""
+        n = self.spec_steps + 1
+        start = req.scheduled
+        kv_new = self._alloc_kv(n)
+        req.kv = torch.cat([req.kv, kv_new])
+        req.reserved -= n
+        req.scheduled = start + (1 if not self.spec_steps else 0)
+        view = ReqView(rid=req.key, slot=req.slot, start=start, kv_past=req.kv[:start],
+                       kv_new=kv_new, input_ids=None, sample=True,
+                       sampling=self._sampling(req),
+                       budget=req.sp.max_new_tokens - len(req.output_ids))
+        if req.inp.return_logprob:
+            view.top_logprobs_num = req.inp.top_logprobs_num
+            view.token_ids_logprob = req.inp.token_ids_logprob
+        if self.strategy == "extra_buffer" and track:
+            slot = req.track_slots[req.track_next]
+            if self.spec_steps:
+                view.track_interval, view.track_slot = self.args.mamba_track_interval, slot
+            elif (start + 1) % self.track_grid == 0:
+                # the snapshot becomes the request's newest when this batch's result is
+                # processed (``_apply``), not before: under overlap the batch ahead of a
+                # finishing step is dropped, and its snapshot with it
+                view.track.append((start + 1, slot))
+                req.track_next = (req.track_next + 1) % len(req.track_slots)
+        batch.views[req.key] = view
+        req.inflight += 1
 
     def _sampling(self, req: Req) -> SamplingInfo:
         sp = req.sp
@@ -742,12 +795,12 @@ class Scheduler:
             if req.finished:
                 self._finish(req)
                 continue
-            if launch.mode == "extend" and req.processed == req.prompt_len:
+            if launch.mode != "decode" and req.processed == req.prompt_len:
                 self._cache_unfinished(req)
             if req.progress is not None and res.tokens:
                 req.progress(req)
         self.running.reqs = [r for r in self.running.reqs if not r.finished]
-        if launch.mode == "extend" and not self.overlap:
+        if launch.mode != "decode" and not self.overlap:
             self._merge_finished_prefills()
 
     def _apply(self, req: Req, res: ReqResult, mode: str, view: ReqView) -> None:
@@ -1002,6 +1055,7 @@ class Stats:
     spec_correct_drafts: int = 0
     host_backups: int = 0
     host_loads: int = 0
+    mixed_batches: int = 0  # prefill batches that decoded the running requests too
     num_running: int = 0
     num_waiting: int = 0
     kv_used: int = 0

@@ -305,8 +305,7 @@ def test_host_pool_sizes_by_hicache_size():
 
 
 # ---- platform limits ------------------------------------------------------------------------------
-@pytest.mark.parametrize(("flag", "value"), [("--page-size", "2"), ("--tp-size", "2"),
-                                             ("--dp-size", "2")])
+@pytest.mark.parametrize(("flag", "value"), [("--tp-size", "2"), ("--dp-size", "2")])
 def test_platform_limits_refused(capsys, flag, value):
     err = refused(capsys, flag, value)
     assert flag in err
@@ -315,6 +314,48 @@ def test_platform_limits_refused(capsys, flag, value):
 def test_page_size_defaults_to_one():
     assert res().page_size == 1
     assert res("--page-size", "1").page_size == 1
+
+
+def test_page_size_above_one_resolves_auto_to_extra_buffer():
+    # SGLang 0.5.23: auto takes extra_buffer when paging, even without the overlap schedule
+    args = res("--page-size", "16", "--disable-overlap-schedule")
+    assert args.page_size == 16
+    assert args.mamba_radix_cache_strategy == "extra_buffer"
+    assert args.disable_overlap_schedule
+    assert res("--page-size", "1", "--disable-overlap-schedule").mamba_radix_cache_strategy == \
+        "no_buffer"
+    assert res("--page-size", "128", "--mamba-track-interval", "256").page_size == 128
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--page-size", "0"), "--page-size 0 must be at least 1"),
+    (("--page-size", "16", "--mamba-radix-cache-strategy", "no_buffer",
+      "--disable-overlap-schedule"), "no_buffer only supports page_size=1"),
+    (("--page-size", "48", "--mamba-track-interval", "192"),
+     "either chunk_size or page_size must be divisible by the other"),
+    (("--page-size", "128", "--mamba-track-interval", "64"),
+     "--mamba-track-interval 64 must be a multiple of --page-size 128"),
+    (("--page-size", "16", "--chunked-prefill-size", "100"),
+     "chunked_prefill_size must be divisible by page_size"),
+])
+def test_page_size_combinations_sglang_refuses(capsys, argv, message):
+    assert message in refused(capsys, *argv)
+
+
+def test_page_size_without_radix_cache_needs_no_mamba_checks():
+    args = res("--page-size", "16", "--disable-radix-cache", "--disable-overlap-schedule")
+    assert args.page_size == 16 and args.disable_radix_cache
+
+
+def test_mixed_chunk():
+    assert not res().enable_mixed_chunk
+    args = res("--enable-mixed-chunk", "--chunked-prefill-size", "128")
+    assert args.enable_mixed_chunk and args.to_dict()["enable_mixed_chunk"] is True
+
+
+def test_mixed_chunk_with_speculative_decoding_refused(capsys):
+    err = refused(capsys, "--enable-mixed-chunk", "--speculative-algorithm", "NEXTN")
+    assert "--enable-mixed-chunk" in err and "NEXTN" in err
 
 
 # ---- sizes ---------------------------------------------------------------------------------------
@@ -459,8 +500,9 @@ def test_unknown_defect_with_a_strength_names_the_defect():
 
 
 def test_resolve_raises_arg_error():
-    with pytest.raises(ArgError, match="--page-size 2"):
-        res("--page-size", "2")
+    with pytest.raises(ArgError, match="--page-size 2: no_buffer"):
+        res("--page-size", "2", "--mamba-radix-cache-strategy", "no_buffer",
+            "--disable-overlap-schedule")
 
 
 # ---- unknown flags ---------------------------------------------------------------------------------

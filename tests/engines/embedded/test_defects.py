@@ -59,6 +59,8 @@ CASES = {
     "host-load-race": (host_load_race_acts, [NB_CHUNKED_HICACHE, EB_HICACHE, NB_CHUNKED,
                                              EB_SYNC_CHUNKED]),
     "stale-spec-metadata": (lambda cfg, probe: False, [EB_SYNC_CHUNKED, NB_CHUNKED_HICACHE]),
+    # acts in mixed batches only (test_mixed_chunk.py): none of these configs mixes
+    "mixed-chunk-tracking-dropped": (lambda cfg, probe: False, [EB_OVERLAP_CHUNKED, EB_SYNC_CHUNKED]),
 }
 ACTING = {("snapshot-race", EB_OVERLAP_CHUNKED), ("deferred-ops-dropped", NB_CHUNKED),
           ("host-load-race", NB_CHUNKED_HICACHE), ("host-load-race", EB_HICACHE)}
