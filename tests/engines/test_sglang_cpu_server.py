@@ -16,7 +16,9 @@ Two paths, as the matrix field ``cpu_ops`` chooses:
 * ``kernel`` (AVX-512-BF16 only): SGLang's CPU kernel, whose varlen causal conv1d ignores the conv
   state an extend starts from (upstream PR #29068), so the first width-1 (3) prompt tokens
   prefilled on a cached prefix get wrong logits while everything after them is at the bf16 floor.
-  Should a rebuilt kernel fix it, the last test fails and says so.
+  Should a rebuilt kernel fix it, the kernel test below fails and says so. The fix
+  ``pr29068-cpu-conv-varlen-state`` (``evalsvc.builds.patches``) binds SGLang's CPU prefill conv to
+  per-request calls of the kernel's non-varlen path, which carries the state: the last test.
 
 A missing kernel wheel fails these tests under CI and skips them elsewhere, naming what to install;
 the kernel-path tests skip on a CPU without AVX-512-BF16, naming what it lacks.
@@ -28,6 +30,7 @@ import inspect
 import json
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +39,9 @@ import pytest
 from rich.console import Console
 
 from evalsvc.builds import sglang_cpu
+from evalsvc.builds.build import BuildError, download_wheel
+from evalsvc.builds.patches import apply_patch
+from evalsvc.builds.probes import CPU_CONV_VARLEN_STATE, Status
 from evalsvc.builds.sglang_env import env_root
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.sglang_cpu_ops import OPS
@@ -233,3 +239,46 @@ def test_the_kernel_ignores_the_conv_state_an_extend_starts_from(sglang_python, 
     assert min(diff[:width - 1]) > 0.5 and max(result["max_difference_from_zero_state"]) == 0, (
         f"the kernel now reads an initial conv state ({result}): update the README's and "
         "BENCHMARKS.md's account of real SGLang on this CPU (upstream PR #29068), and this test")
+
+
+def test_the_cpu_conv_patch_carries_the_state(sglang_python, kernel_dir, tmp_path):
+    """0.5.17's ``gdn_backend.py`` with ``pr29068-cpu-conv-varlen-state`` applied, imported in the
+    environment beside its SGLang: the conv it binds for the CPU, over three extends (the later two
+    from the state the one before left, among them extends of 2 and 1 tokens), gives exactly the
+    outputs and states of one pass over the whole sequences and leaves other slots alone; the
+    release's own binding (the kernel's varlen wrapper) gets the first width - 1 outputs of each
+    later extend wrong by whole units and leaves a short extend's state wrong."""
+    try:
+        wheel = download_wheel("0.5.17")
+    except BuildError as exc:
+        _missing(exc)
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path, [m for m in archive.namelist() if m.endswith(".py")])
+    backend = tmp_path / "sglang" / "srt" / "layers" / "attention" / "linear" / "gdn_backend.py"
+    installed = next(sglang_python.parents[1].glob(
+        "lib/python3*/site-packages/sglang/srt/layers/attention/linear/gdn_backend.py"))
+    assert backend.read_bytes() == installed.read_bytes()  # the environment's own release
+    result = apply_patch(tmp_path, CPU_CONV_VARLEN_STATE)
+    assert (result.before.status, result.after.status) == (Status.ABSENT, Status.PRESENT)
+
+    env = {**os.environ, "PYTHONPATH": str(kernel_dir), "SGLANG_USE_CPU_ENGINE": "1",
+           "EVALSVC_CPU_OPS": "kernel"}
+    out = subprocess.run([str(sglang_python), str(DATA / "conv1d_per_request.py"), str(backend)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["unpatched_is_kernel_wrapper"], report["unpatched_binds"]
+    assert report["patched_binds"] == "causal_conv1d_fn_cpu_per_request"
+    fixed, released = report["patched"], report["unpatched"]
+    for stage in fixed["stages"]:
+        assert stage["max_difference"] == 0.0 and all(stage["state_holds_last_tokens"]), fixed
+    assert fixed["final_state_difference"] == 0.0 and fixed["other_slots_moved"] == 0.0, fixed
+    assert fixed["stride"] == released["stride"] and fixed["dtype"] == released["dtype"]
+    # unpatched: exact from no state, then every request's first outputs off by whole units, and
+    # the 2- and 1-token extends (requests 2 and 3 of the second) leave a wrong state
+    first, *later = released["stages"]
+    assert first["max_difference"] == 0.0, released
+    assert all(min(stage["first_tokens_difference"]) > 0.5 for stage in later), released
+    assert later[0]["lens"] == [12, 2, 1]
+    assert later[0]["state_holds_last_tokens"] == [True, False, False], released
+    assert released["other_slots_moved"] == 0.0, released
