@@ -241,13 +241,10 @@ def test_the_kernel_ignores_the_conv_state_an_extend_starts_from(sglang_python, 
         "BENCHMARKS.md's account of real SGLang on this CPU (upstream PR #29068), and this test")
 
 
-def test_the_cpu_conv_patch_carries_the_state(sglang_python, kernel_dir, tmp_path):
-    """0.5.17's ``gdn_backend.py`` with ``pr29068-cpu-conv-varlen-state`` applied, imported in the
-    environment beside its SGLang: the conv it binds for the CPU, over three extends (the later two
-    from the state the one before left, among them extends of 2 and 1 tokens), gives exactly the
-    outputs and states of one pass over the whole sequences and leaves other slots alone; the
-    release's own binding (the kernel's varlen wrapper) gets the first width - 1 outputs of each
-    later extend wrong by whole units and leaves a short extend's state wrong."""
+def _patched_conv(python: Path, tmp_path: Path, ops: str, kernel: Path | None = None) -> dict:
+    """conv1d_per_request.py's report on 0.5.17's gdn_backend.py with pr29068-cpu-conv-varlen-state
+    applied (from the release's wheel: the environment's own release), on the ops ``ops``; the
+    patched binding agrees exactly with one pass, whatever the released one does."""
     try:
         wheel = download_wheel("0.5.17")
     except BuildError as exc:
@@ -255,15 +252,15 @@ def test_the_cpu_conv_patch_carries_the_state(sglang_python, kernel_dir, tmp_pat
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path, [m for m in archive.namelist() if m.endswith(".py")])
     backend = tmp_path / "sglang" / "srt" / "layers" / "attention" / "linear" / "gdn_backend.py"
-    installed = next(sglang_python.parents[1].glob(
+    installed = next(python.parents[1].glob(
         "lib/python3*/site-packages/sglang/srt/layers/attention/linear/gdn_backend.py"))
-    assert backend.read_bytes() == installed.read_bytes()  # the environment's own release
+    assert backend.read_bytes() == installed.read_bytes()
     result = apply_patch(tmp_path, CPU_CONV_VARLEN_STATE)
     assert (result.before.status, result.after.status) == (Status.ABSENT, Status.PRESENT)
 
-    env = {**os.environ, "PYTHONPATH": str(kernel_dir), "SGLANG_USE_CPU_ENGINE": "1",
-           "EVALSVC_CPU_OPS": "kernel"}
-    out = subprocess.run([str(sglang_python), str(DATA / "conv1d_per_request.py"), str(backend)],
+    env = {**os.environ, "PYTHONPATH": str(kernel or ""), "SGLANG_USE_CPU_ENGINE": "1",
+           "EVALSVC_CPU_OPS": ops}
+    out = subprocess.run([str(python), str(DATA / "conv1d_per_request.py"), str(backend)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -274,6 +271,26 @@ def test_the_cpu_conv_patch_carries_the_state(sglang_python, kernel_dir, tmp_pat
         assert stage["max_difference"] == 0.0 and all(stage["state_holds_last_tokens"]), fixed
     assert fixed["final_state_difference"] == 0.0 and fixed["other_slots_moved"] == 0.0, fixed
     assert fixed["stride"] == released["stride"] and fixed["dtype"] == released["dtype"]
+    return report
+
+
+def test_the_cpu_conv_patch_runs_on_the_reference_ops(sglang_python, tmp_path):
+    """A build with pr29068-cpu-conv-varlen-state also serves on the reference path (any CPU): the
+    reference conv takes the kernel's non-varlen layout the patched binding calls, and there the
+    released binding is right too (the reference varlen conv reads the state)."""
+    released = _patched_conv(sglang_python, tmp_path, "reference")["unpatched"]
+    assert all(s["max_difference"] == 0.0 and all(s["state_holds_last_tokens"])
+               for s in released["stages"]), released
+
+
+def test_the_cpu_conv_patch_carries_the_state(sglang_python, kernel_dir, tmp_path):
+    """0.5.17's ``gdn_backend.py`` with ``pr29068-cpu-conv-varlen-state`` applied, imported in the
+    environment beside its SGLang: the conv it binds for the CPU, over three extends (the later two
+    from the state the one before left, among them extends of 2 and 1 tokens), gives exactly the
+    outputs and states of one pass over the whole sequences and leaves other slots alone; the
+    release's own binding (the kernel's varlen wrapper) gets the first width - 1 outputs of each
+    later extend wrong by whole units and leaves a short extend's state wrong."""
+    released = _patched_conv(sglang_python, tmp_path, "kernel", kernel_dir)["unpatched"]
     # unpatched: exact from no state, then every request's first outputs off by whole units, and
     # the 2- and 1-token extends (requests 2 and 3 of the second) leave a wrong state
     first, *later = released["stages"]

@@ -1,9 +1,10 @@
-"""Run under the SGLang CPU environment's python with the AVX-512 kernel first on ``PYTHONPATH``:
+"""Run under the SGLang CPU environment's python, with the AVX-512 kernel first on ``PYTHONPATH``
+and ``EVALSVC_CPU_OPS=kernel``, or on the reference ops (``EVALSVC_CPU_OPS=reference``):
 SGLang 0.5.17's gated-deltanet prefill conv as its CPU branch binds it (``causal_conv1d_fn`` of
 ``sglang.srt.layers.attention.linear.gdn_backend``), unpatched (the environment's SGLang) and with
 the fix ``pr29068-cpu-conv-varlen-state`` (the patched ``gdn_backend.py`` given as argv[1], loaded
-as its own module), called as the backend calls it, in SGLang's CPU pool layout, with packed
-weights as SGLang packs them.
+as its own module), called as the backend calls it, in the pool layout and with the weights SGLang
+uses on that path (the kernel's: its CPU pool layout and packed weights).
 
 Three requests in slots 4, 1 and 3 of a pool whose every slot holds random values: first extends
 from no state, then two more from the state each left (among them extends of 2 and 1 tokens, shorter
@@ -15,6 +16,7 @@ binds; and the outputs' strides."""
 
 import importlib.util
 import json
+import os
 import sys
 
 import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
@@ -30,14 +32,20 @@ spec.loader.exec_module(patched)
 torch.manual_seed(0)
 DIM, WIDTH, SLOTS = 256, 4, [4, 1, 3]
 STAGES = [[20, 9, 5], [12, 2, 1], [6, 7, 3]]  # tokens per request in each extend
-weight = torch.ops.sgl_kernel.causal_conv1d_weight_pack(torch.randn(DIM, WIDTH).bfloat16())
+KERNEL = os.environ.get("EVALSVC_CPU_OPS") == "kernel"  # else the reference ops replace the kernel's
+weight = torch.randn(DIM, WIDTH).bfloat16()
+if KERNEL:  # SGLang packs the conv weight where it takes the kernel path (its AMX check says yes)
+    weight = torch.ops.sgl_kernel.causal_conv1d_weight_pack(weight)
 bias = torch.randn(DIM).bfloat16()
 tokens = [torch.randn(sum(s[r] for s in STAGES), DIM).bfloat16() for r in range(len(SLOTS))]
 start_pool = torch.randn(6, DIM, WIDTH - 1).bfloat16()
 
 
 def pool() -> torch.Tensor:
-    """One layer's conv states as SGLang allocates them on the kernel path."""
+    """One layer's conv states as SGLang allocates them: its CPU layout on the kernel path, the GPU
+    layout on the reference path."""
+    if not KERNEL:
+        return start_pool.clone()
     p = _init_amx_conv_state([torch.zeros(1, *start_pool.shape, dtype=torch.bfloat16)])[0][0]
     p.copy_(start_pool)
     return p
