@@ -38,6 +38,10 @@ Patches:
   it gives, statement for statement, 0.5.22's ``mix_with_running``. Its probe is the fix's probe
   turned round: ``present`` wherever #39342 is absent, so 0.5.13 to 0.5.22 carry the defect as
   released (applying it there changes nothing) and 0.5.23 carries it only when planted.
+* ``pr29068-cpu-conv-varlen-state``: in ``layers/attention/linear/gdn_backend.py``'s ``is_cpu()``
+  branch, replaces ``causal_conv1d_fn = causal_conv1d_fn_cpu`` (the kernel's varlen conv, which
+  ignores the conv state and ``has_initial_state``) with a function defined there that calls the
+  kernel's non-varlen ``causal_conv1d_fwd_cpu`` per request on a one-slot view of the pool.
 * ``pr24954-forward-stream-mamba-ops``: not available. The PR changes about ten modules (Mamba pool,
   radix caches, unified-cache component, schedule batch, forward batch, attention backends,
   speculative info) of a tree that was moving quickly; no faithful backport to the releases before

@@ -68,6 +68,11 @@ tests a length corrected with the batch's own snapshot (``batch.mamba_decode_bat
 ``pr30986-aborted-load-back-slot``. Applicable when a Mamba cache component has
 ``build_hicache_transfers``. Present when that build allocates no device slot and a method of the
 class frees the slot and sets ``<req>.mamba_pool_idx = None`` (``finalize_load_back``).
+
+``pr29068-cpu-conv-varlen-state``. Applicable when a top-level ``is_cpu()`` branch of the GDN backend
+binds ``causal_conv1d_fn``. Present when it binds a function of the module that calls the kernel's
+``causal_conv1d_fwd_cpu`` in a loop, non-varlen (``query_start_loc`` ``None``) on a one-slot slice of
+the pool; absent when it binds the kernel's varlen wrapper ``causal_conv1d_fn_cpu``.
 """
 
 from __future__ import annotations
