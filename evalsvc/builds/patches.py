@@ -38,6 +38,10 @@ Patches:
   it gives, statement for statement, 0.5.22's ``mix_with_running``. Its probe is the fix's probe
   turned round: ``present`` wherever #39342 is absent, so 0.5.13 to 0.5.22 carry the defect as
   released (applying it there changes nothing) and 0.5.23 carries it only when planted.
+* ``pr29068-cpu-conv-varlen-state``: in ``layers/attention/linear/gdn_backend.py``'s ``is_cpu()``
+  branch, replaces ``causal_conv1d_fn = causal_conv1d_fn_cpu`` (the kernel's varlen conv, which
+  ignores the conv state and ``has_initial_state``) with a function defined there that calls the
+  kernel's non-varlen ``causal_conv1d_fwd_cpu`` per request on a one-slot view of the pool.
 * ``pr24954-forward-stream-mamba-ops``: not available. The PR changes about ten modules (Mamba pool,
   radix caches, unified-cache component, schedule batch, forward batch, attention backends,
   speculative info) of a tree that was moving quickly; no faithful backport to the releases before
@@ -62,6 +66,7 @@ from pathlib import Path
 from evalsvc.builds.probes import (
     ABORTED_LOAD_BACK,
     CLEAR_DEFERRED_MAMBA_METADATA,
+    CPU_CONV_VARLEN_STATE,
     DECODE_GRAPH_TRACK_PREFIX,
     DEFERRED_FIELDS,
     FIXES,
@@ -84,9 +89,12 @@ from evalsvc.builds.probes import (
     _is_self_attr,
     _methods,
     _probe_mixed_chunk_tracking,
+    cpu_conv_binding,
+    find_cpu_conv_binding,
     find_prepare_for_decode,
     find_schedule_batch,
     inspect_prepare_for_decode,
+    per_request_conv,
     probe,
     source_version,
 )
@@ -436,6 +444,108 @@ def _drop_mixed_chunk_tracking(tree: SourceTree) -> dict[str, bytes]:
     return {rel: new_data}
 
 
+PER_REQUEST_CONV = "causal_conv1d_fn_cpu_per_request"
+PER_REQUEST_CONV_SOURCE = '''\
+# fix {name} (SGLang PR #29068): the CPU kernel's varlen causal conv
+# (query_start_loc given) starts every sequence from zeros, ignoring the conv state
+# and has_initial_state, so an extend from a cached prefix gets its first width - 1
+# outputs wrong and an extend shorter than width - 1 leaves a wrong state. Its
+# non-varlen path, called per request on a one-slot view of the pool, carries it.
+def {function}(
+    mixed_qkv_transposed,
+    conv_weights,
+    bias,
+    activation,
+    conv_states,
+    has_initial_state,
+    cache_indices,
+    query_start_loc,
+    seq_lens_cpu,
+):
+    if query_start_loc is None:
+        return {original}(
+            mixed_qkv_transposed,
+            conv_weights,
+            bias,
+            activation,
+            conv_states,
+            has_initial_state,
+            cache_indices,
+            query_start_loc,
+            seq_lens_cpu,
+        )
+    dim, total = mixed_qkv_transposed.shape
+    out = mixed_qkv_transposed.new_zeros(total, dim).t()  # [dim, T], laid out as the kernel's
+    starts = query_start_loc.tolist()
+    slots = (
+        cache_indices.tolist()
+        if cache_indices is not None
+        else list(range(len(starts) - 1))
+    )
+    one_slot = torch.zeros(1, dtype=torch.int32)
+    for i in range(len(starts) - 1):
+        start, end, slot = starts[i], starts[i + 1], slots[i]
+        if end <= start or slot == -1:
+            continue
+        seq = mixed_qkv_transposed[:, start:end].t().contiguous()[None].transpose(1, 2)
+        out[:, start:end] = torch.ops.sgl_kernel.causal_conv1d_fwd_cpu(
+            seq,
+            conv_weights,
+            bias,
+            conv_states[slot : slot + 1],
+            None,
+            one_slot,
+            None if has_initial_state is None else has_initial_state[i : i + 1],
+            activation == "silu",
+            -1,
+            True,
+        )[0]
+    return out
+'''
+
+
+def _imports_torch(module: ast.Module) -> bool:
+    return any(isinstance(node, ast.Import) and any(a.name == "torch" and a.asname is None
+                                                     for a in node.names) for node in module.body)
+
+
+def _per_request_cpu_conv(tree: SourceTree) -> dict[str, bytes]:
+    name = CPU_CONV_VARLEN_STATE
+    found = find_cpu_conv_binding(tree)
+    if found is None:
+        raise PatchError(f"{name}: no is_cpu() branch binds causal_conv1d_fn; nothing was changed")
+    rel, assign = found.rel, found.assign
+    path, module, text, fail = _read_module(tree, rel, name)
+    if not _imports_torch(module):
+        raise fail("the module does not `import torch` at top level")
+    if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == PER_REQUEST_CONV
+           for n in ast.walk(module)):
+        raise fail(f"{PER_REQUEST_CONV} is already defined")
+    lines = _split_lines(text)
+    indent = lines[assign.lineno - 1][: assign.col_offset]
+    if indent.strip() or any(stmt is not assign and stmt.lineno <= assign.end_lineno
+                             and assign.lineno <= stmt.end_lineno for stmt in found.branch):
+        raise fail(f"the assignment at line {assign.lineno} does not have its lines to itself")
+    newline = _ending(lines[assign.end_lineno - 1]) or "\n"
+    source = PER_REQUEST_CONV_SOURCE.format(name=name, function=PER_REQUEST_CONV,
+                                            original=found.bound)
+    block = [f"{indent}{line}".rstrip() + newline for line in source.rstrip("\n").split("\n")]
+    block.append(newline)
+    block.append(f"{indent}causal_conv1d_fn = {PER_REQUEST_CONV}{newline}")
+    new_data = "".join(lines[: assign.lineno - 1] + block + lines[assign.end_lineno:]).encode("utf-8")
+    try:
+        new_module = ast.parse(new_data, filename=str(path))
+    except SyntaxError as exc:
+        raise fail(f"the edit does not parse ({exc})") from exc
+    new_found = cpu_conv_binding(new_module, rel)
+    function = next((n for n in (new_found.branch if new_found else []) if isinstance(n, ast.FunctionDef)
+                     and n.name == PER_REQUEST_CONV), None)
+    if new_found is None or new_found.bound != PER_REQUEST_CONV or function is None \
+            or per_request_conv(function) is None:
+        raise fail(f"after the edit the is_cpu() branch does not bind {PER_REQUEST_CONV}")
+    return {rel: new_data}
+
+
 def _unavailable(fix: str, why: str) -> Patch:
     return Patch(fix, fix, FIXES[fix].title, unavailable=why)
 
@@ -463,6 +573,14 @@ PATCHES: dict[str, Patch] = {
         "the prefill rows' Mamba tracking and their slot is donated unwritten (0.5.22's behaviour)",
         transform=_drop_mixed_chunk_tracking,
         check=_probe_tracking_dropped,
+    ),
+    CPU_CONV_VARLEN_STATE: Patch(
+        CPU_CONV_VARLEN_STATE,
+        CPU_CONV_VARLEN_STATE,
+        "Bind the GDN backend's CPU prefill conv to a per-request call of the kernel's non-varlen "
+        "causal_conv1d_fwd_cpu on a one-slot view of the pool, which carries the conv state "
+        "(the kernel's varlen path ignores it; SGLang PR #29068)",
+        transform=_per_request_cpu_conv,
     ),
     FORWARD_STREAM_MAMBA_OPS: _unavailable(
         FORWARD_STREAM_MAMBA_OPS,

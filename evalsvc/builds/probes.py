@@ -68,6 +68,11 @@ tests a length corrected with the batch's own snapshot (``batch.mamba_decode_bat
 ``pr30986-aborted-load-back-slot``. Applicable when a Mamba cache component has
 ``build_hicache_transfers``. Present when that build allocates no device slot and a method of the
 class frees the slot and sets ``<req>.mamba_pool_idx = None`` (``finalize_load_back``).
+
+``pr29068-cpu-conv-varlen-state``. Applicable when a top-level ``is_cpu()`` branch of the GDN backend
+binds ``causal_conv1d_fn``. Present when it binds a function of the module that calls the kernel's
+``causal_conv1d_fwd_cpu`` in a loop, non-varlen (``query_start_loc`` ``None``) on a one-slot slice of
+the pool; absent when it binds the kernel's varlen wrapper ``causal_conv1d_fn_cpu``.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ MAMBA2_TRACK_GRID = "pr37836-mamba2-track-global-grid"
 PREFILL_GRAPH_SPEC_TRACKING = "pr32606-prefill-graph-spec-tracking"
 OVERLAP_TRACK_BOUNDARY = "pr29792-overlap-track-boundary"
 ABORTED_LOAD_BACK = "pr30986-aborted-load-back-slot"
+CPU_CONV_VARLEN_STATE = "pr29068-cpu-conv-varlen-state"
 
 FIXES: dict[str, Fix] = {
     FORWARD_STREAM_MAMBA_OPS: Fix(
@@ -148,6 +154,11 @@ FIXES: dict[str, Fix] = {
         ABORTED_LOAD_BACK,
         30986,
         "An aborted host-tier Mamba load-back frees the slot it allocated and unbinds the request",
+    ),
+    CPU_CONV_VARLEN_STATE: Fix(
+        CPU_CONV_VARLEN_STATE,
+        29068,
+        "The CPU gated-deltanet prefill conv starts each extend from its cached conv state",
     ),
 }
 
@@ -931,6 +942,103 @@ def _probe_aborted_load_back(tree: SourceTree) -> ProbeResult:
     return ProbeResult(fix, Status.PRESENT if ok else Status.ABSENT, evidence)
 
 
+# --- the CPU causal conv's state handoff (PR #29068) --------------------------------------------
+
+GDN_BACKEND = "srt/layers/attention/linear/gdn_backend.py"
+CPU_CONV_OP = "causal_conv1d_fwd_cpu"
+CONV_BINDING = "causal_conv1d_fn"
+
+
+@dataclass(frozen=True)
+class CPUConvBinding:
+    """Where a module binds its prefill conv for ``is_cpu()``: the branch and the assignment."""
+
+    rel: str
+    branch: list[ast.stmt]
+    assign: ast.Assign
+
+    @property
+    def bound(self) -> str:
+        return ast.unparse(self.assign.value)
+
+
+def _is_cpu_test(test: ast.expr) -> bool:
+    func = test.func if isinstance(test, ast.Call) and not test.args else None
+    return (isinstance(func, ast.Name) and func.id == "is_cpu") or (
+        isinstance(func, ast.Attribute) and func.attr == "is_cpu")
+
+
+def find_cpu_conv_binding(tree: SourceTree) -> CPUConvBinding | None:
+    """The top-level ``if``/``elif is_cpu():`` branch that assigns ``causal_conv1d_fn``, in the GDN
+    backend (0.5.12.post1 on) or the hybrid linear-attention backend."""
+    for rel in (GDN_BACKEND, HYBRID_BACKEND):
+        found = cpu_conv_binding(tree.module(rel), rel)
+        if found is not None:
+            return found
+    return None
+
+
+def cpu_conv_binding(module: ast.Module | None, rel: str) -> CPUConvBinding | None:
+    for node in module.body if module is not None else []:
+        while isinstance(node, ast.If):
+            if _is_cpu_test(node.test):
+                for stmt in node.body:
+                    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+                            and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == CONV_BINDING:
+                        return CPUConvBinding(rel, node.body, stmt)
+            node = node.orelse[0] if len(node.orelse) == 1 else None
+    return None
+
+
+def per_request_conv(function: FunctionNode) -> ast.Call | None:
+    """The call of the kernel's conv in ``function`` that carries the state: inside a loop (per
+    request), on the non-varlen path (``query_start_loc``, the fifth argument, ``None``) and with
+    a one-slot slice of the pool (the fourth, ``conv_states[slot : slot + 1]``)."""
+    for loop in ast.walk(function):
+        if not isinstance(loop, ast.For | ast.While):
+            continue
+        for call in _calls(loop, CPU_CONV_OP):
+            args = call.args
+            if len(args) >= 5 and _is_none(args[4]) and isinstance(args[3], ast.Subscript) \
+                    and isinstance(args[3].slice, ast.Slice):
+                return call
+    return None
+
+
+def _probe_cpu_conv_varlen_state(tree: SourceTree) -> ProbeResult:
+    fix = CPU_CONV_VARLEN_STATE
+    found = find_cpu_conv_binding(tree)
+    if found is None:
+        return ProbeResult(fix, Status.NOT_APPLICABLE, [
+            f"{tree.label(GDN_BACKEND)}, {tree.label(HYBRID_BACKEND)}: no `is_cpu()` branch that "
+            f"binds {CONV_BINDING} (no CPU kernel path for the gated-deltanet prefill conv)"])
+    where = f"{tree.label(found.rel)}: `{CONV_BINDING} = {_short(found.assign.value)}` in the is_cpu() " \
+            f"branch (line {found.assign.lineno})"
+    module = tree.module(found.rel)
+    assert module is not None
+    imported = {alias.asname or alias.name: node.module for node in found.branch
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    value = found.assign.value
+    name = value.id if isinstance(value, ast.Name) else None
+    defined = next((node for node in [*found.branch, *module.body]
+                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name),
+                   None)
+    if defined is not None:
+        call = per_request_conv(defined)
+        if call is not None:
+            return ProbeResult(fix, Status.PRESENT, [
+                f"[found] {where}: {name} calls the kernel's non-varlen {CPU_CONV_OP} per request on "
+                f"a one-slot view of the pool ({_short(call.args[3])}, line {call.lineno})"])
+        return ProbeResult(fix, Status.ABSENT, [
+            f"[missing] {where}: {name} makes no per-request non-varlen {CPU_CONV_OP} call on a "
+            "one-slot view of the pool"])
+    source = f"{imported[name]}.{name}" if name in imported else _short(value)
+    return ProbeResult(fix, Status.ABSENT, [
+        f"[missing] {where}: binds {source}, the kernel's varlen conv (query_start_loc given), "
+        "which the CPU kernel without PR #29068 (sglang-kernel-cpu 0.4.5 included) starts from zeros: "
+        "the conv state and has_initial_state are ignored"])
+
+
 _PROBES = {
     FORWARD_STREAM_MAMBA_OPS: _probe_forward_stream,
     CLEAR_DEFERRED_MAMBA_METADATA: _probe_clear_metadata,
@@ -941,6 +1049,7 @@ _PROBES = {
     PREFILL_GRAPH_SPEC_TRACKING: _probe_prefill_graph_spec_tracking,
     OVERLAP_TRACK_BOUNDARY: _probe_overlap_track_boundary,
     ABORTED_LOAD_BACK: _probe_aborted_load_back,
+    CPU_CONV_VARLEN_STATE: _probe_cpu_conv_varlen_state,
 }
 
 

@@ -58,12 +58,22 @@ def causal_conv1d_fwd_cpu(x, weight, bias, conv_states, query_start_loc, cache_i
     """Depthwise causal conv over each sequence of ``x`` (``[dim, T]``; weight ``[dim, width]``),
     started from the sequence's conv state ``conv_states[cache_indices[i]]`` (``[dim, width - 1]``,
     the last inputs before it) where ``has_initial_state[i]``, else from zeros; then that state
-    becomes the sequence's last ``width - 1`` inputs. Returns ``[dim, T]``. (``is_vnni``: the
-    kernel's packed-weight flag; weights are unpacked on this path, where SGLang packs nothing.)"""
+    becomes the sequence's last ``width - 1`` inputs. Returns ``[dim, T]``. Without
+    ``query_start_loc``, ``x`` is ``[B, dim, L]`` (B sequences of L tokens) and so is the result.
+    (``is_vnni``: the kernel's packed-weight flag; weights are unpacked on this path, where SGLang
+    packs nothing.)"""
     del is_vnni
     if query_start_loc is None:
-        raise NotImplementedError("causal_conv1d_fwd_cpu: SGLang's GDN path always passes "
-                                  "query_start_loc (varlen)")
+        # the batched layout ([B, dim, L], sequence b in slot cache_indices[b]), which SGLang's
+        # prefill conv takes per request with the fix pr29068-cpu-conv-varlen-state
+        out = torch.empty_like(x)
+        length = torch.tensor([0, x.shape[-1]], dtype=torch.int32)
+        for b in range(x.shape[0]):
+            slot = torch.tensor([b]) if cache_indices is None else cache_indices[b:b + 1]
+            initial = None if has_initial_state is None else has_initial_state[b:b + 1]
+            out[b] = causal_conv1d_fwd_cpu(x[b], weight, bias, conv_states, length, slot, initial,
+                                           silu_activation, pad_slot_id, False)
+        return out
     dim, width = weight.shape
     w = weight.float().unsqueeze(1)
     b = None if bias is None else bias.float()

@@ -22,6 +22,10 @@ The 2026 tracking fixes, found by reading every release from 0.5.13 to 0.5.23 (`
 #30986 and #32555 land in 0.5.17; #34184, #32606 and #29792 in 0.5.18; #37836 in 0.5.20; #39342
 in 0.5.23. #34184 and #32555 are not applicable to 0.5.13 and 0.5.14 (no padded request rows in
 the prefill graph, no static decode track buffer); they are absent in 0.5.15 and 0.5.16.
+
+#29068 (the CPU kernel's varlen conv ignores the conv state; unmerged) is absent from every release
+with the GDN backend's ``is_cpu()`` branch (0.5.12.post1 to 0.5.23, which all bind the kernel's
+``causal_conv1d_fn_cpu``) and not applicable to 0.5.3 (no CPU branch).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
 from evalsvc.builds.probes import (
     ABORTED_LOAD_BACK,
     CLEAR_DEFERRED_MAMBA_METADATA,
+    CPU_CONV_VARLEN_STATE,
     DECODE_GRAPH_TRACK_PREFIX,
     DEFERRED_FIELDS,
     FIXES,
@@ -57,23 +62,24 @@ A, B = FORWARD_STREAM_MAMBA_OPS, CLEAR_DEFERRED_MAMBA_METADATA
 MIXED, TAIL, PREFIX, GRID = (MIXED_CHUNK_TRACKING, PREFILL_GRAPH_TRACK_TAIL, DECODE_GRAPH_TRACK_PREFIX,
                              MAMBA2_TRACK_GRID)
 SPEC, OVERLAP, LOAD_BACK = PREFILL_GRAPH_SPEC_TRACKING, OVERLAP_TRACK_BOUNDARY, ABORTED_LOAD_BACK
+CONV = CPU_CONV_VARLEN_STATE
 NA, ABSENT, PRESENT = Status.NOT_APPLICABLE, Status.ABSENT, Status.PRESENT
 # every release from 0.5.13 on, and two before (README "Engine builds" has the same table)
 TABLE = """
-release       24954 37165 39342 34184 32555 37836 32606 29792 30986
-0.5.3         n/a   n/a   n/a   n/a   n/a   n/a   n/a   n/a   n/a
-0.5.12.post1  -     n/a   -     n/a   n/a   n/a   -     n/a   -
-0.5.13        P     -     -     n/a   n/a   -     -     -     -
-0.5.14        P     -     -     n/a   n/a   -     -     -     -
-0.5.15        P     -     -     -     -     -     -     -     -
-0.5.16        P     -     -     -     -     -     -     -     -
-0.5.17        P     -     -     -     P     -     -     -     P
-0.5.18        P     -     -     P     P     -     P     P     P
-0.5.19        P     -     -     P     P     -     P     P     P
-0.5.20        P     P     -     P     P     P     P     P     P
-0.5.21        P     P     -     P     P     P     P     P     P
-0.5.22        P     P     -     P     P     P     P     P     P
-0.5.23        P     P     P     P     P     P     P     P     P
+release       24954 37165 39342 34184 32555 37836 32606 29792 30986 29068
+0.5.3         n/a   n/a   n/a   n/a   n/a   n/a   n/a   n/a   n/a n/a
+0.5.12.post1  -     n/a   -     n/a   n/a   n/a   -     n/a   -   -
+0.5.13        P     -     -     n/a   n/a   -     -     -     -   -
+0.5.14        P     -     -     n/a   n/a   -     -     -     -   -
+0.5.15        P     -     -     -     -     -     -     -     -   -
+0.5.16        P     -     -     -     -     -     -     -     -   -
+0.5.17        P     -     -     -     P     -     -     -     P   -
+0.5.18        P     -     -     P     P     -     P     P     P   -
+0.5.19        P     -     -     P     P     -     P     P     P   -
+0.5.20        P     P     -     P     P     P     P     P     P   -
+0.5.21        P     P     -     P     P     P     P     P     P   -
+0.5.22        P     P     -     P     P     P     P     P     P   -
+0.5.23        P     P     P     P     P     P     P     P     P   -
 """
 
 
@@ -173,6 +179,11 @@ def test_probes_per_release(version: str, release_tree: Callable[[str], Path]) -
                               "(self.cache.req_to_token_pool.mamba_allocator.alloc(1))"),
         ("0.5.23", LOAD_BACK, "[found] sglang/srt/mem_cache/unified_cache/components/mamba.py: "
                               "MambaComponent.finalize_load_back frees the slot"),
+        ("0.5.3", CONV, "no `is_cpu()` branch that binds causal_conv1d_fn"),
+        ("0.5.17", CONV, "[missing] sglang/srt/layers/attention/linear/gdn_backend.py: `causal_conv1d_fn = "
+                         "causal_conv1d_fn_cpu` in the is_cpu() branch (line 62): binds "
+                         "sgl_kernel.mamba.causal_conv1d_fn_cpu, the kernel's varlen conv"),
+        ("0.5.23", CONV, "`causal_conv1d_fn = causal_conv1d_fn_cpu` in the is_cpu() branch (line 186)"),
     ],
 )
 def test_probe_evidence_follows_moved_code(
@@ -260,6 +271,78 @@ def test_forward_stream_patch_not_applicable_and_already_present(
     assert tree_hashes(root) == before
     present = apply_patch(release_tree("0.5.13"), A)
     assert present.changed == [] and present.after.status is PRESENT
+
+
+GDN_BACKEND = "sglang/srt/layers/attention/linear/gdn_backend.py"
+
+
+def cpu_branch(path: Path) -> list[ast.stmt]:
+    """The body of gdn_backend.py's top-level `elif is_cpu():` (found independently of the probe)."""
+    module = ast.parse(path.read_bytes())
+    for node in module.body:
+        while isinstance(node, ast.If):
+            if ast.unparse(node.test) == "is_cpu()":
+                return node.body
+            node = node.orelse[0] if len(node.orelse) == 1 else None
+    raise AssertionError(f"{path}: no is_cpu() branch")
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.17", "0.5.23"])
+def test_patch_cpu_conv_varlen_state(
+    version: str, writable_tree: Callable[[str], Path], release_tree: Callable[[str], Path]
+) -> None:
+    root = writable_tree(version)
+    before = tree_hashes(root)
+    others = {r.fix: r.status for r in probe_all(root) if r.fix != CONV}
+    assert probe(root, CONV).status is ABSENT
+
+    result = apply_patch(root, CONV)
+
+    assert (result.before.status, result.after.status, result.version) == (ABSENT, PRESENT, version)
+    assert [c.path for c in result.changed] == [GDN_BACKEND]
+    after = tree_hashes(root)
+    assert {k for k in before if before[k] != after.get(k)} == {GDN_BACKEND} and set(after) == set(before)
+    py_compile.compile(str(root / GDN_BACKEND), cfile=str(root.parent / "patched.pyc"), doraise=True)
+    assert {r.fix: r.status for r in probe_all(root) if r.fix != CONV} == others
+    assert any("calls the kernel's non-varlen causal_conv1d_fwd_cpu per request" in line
+               for line in result.after.evidence), result.after.evidence
+    # the CPU branch: the kernel's import kept, its conv bound to the per-request wrapper defined
+    # there, which loops over the requests and calls the non-varlen path on a one-slot view
+    branch = cpu_branch(root / GDN_BACKEND)
+    text = [ast.unparse(s) for s in branch]
+    assert text[0].startswith("from sgl_kernel.mamba import causal_conv1d_fn_cpu")
+    assert "causal_conv1d_fn = causal_conv1d_fn_cpu_per_request" in text
+    wrapper = next(s for s in branch if isinstance(s, ast.FunctionDef))
+    assert wrapper.name == "causal_conv1d_fn_cpu_per_request"
+    loop = next(n for n in ast.walk(wrapper) if isinstance(n, ast.For))
+    call = next(n for n in ast.walk(loop) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) == "torch.ops.sgl_kernel.causal_conv1d_fwd_cpu")
+    assert [ast.unparse(a) for a in call.args[3:]] == [
+        "conv_states[slot:slot + 1]", "None", "one_slot",
+        "None if has_initial_state is None else has_initial_state[i:i + 1]", "activation == 'silu'",
+        "-1", "True"]
+    # the rest of the branch as released, where the binding was the kernel's varlen wrapper
+    released = [ast.unparse(s) for s in cpu_branch(release_tree(version) / GDN_BACKEND)]
+    assert [t for t in text if not t.startswith(("causal_conv1d_fn =", "def "))] == [
+        t for t in released if not t.startswith("causal_conv1d_fn =")]
+    assert "causal_conv1d_fn = causal_conv1d_fn_cpu" in released
+
+    again = apply_patch(root, CONV)
+    assert again.changed == [] and again.before.status is PRESENT
+    assert tree_hashes(root) == after
+
+
+@pytest.mark.wheels
+@pytest.mark.timeout(1800)
+def test_cpu_conv_patch_refused_without_a_cpu_branch(writable_tree: Callable[[str], Path]) -> None:
+    root = writable_tree("0.5.3")
+    before = tree_hashes(root)
+    with pytest.raises(PatchError, match=r"pr29068-cpu-conv-varlen-state: not applicable to sglang "
+                                         r"0\.5\.3 .*no `is_cpu\(\)` branch that binds causal_conv1d_fn"):
+        apply_patch(root, CONV)
+    assert tree_hashes(root) == before
 
 
 # --- without wheels ----------------------------------------------------------------------------

@@ -94,6 +94,30 @@ def test_a_conv_extend_split_anywhere_computes_what_one_pass_does(cut):
     torch.testing.assert_close(pool, one)
 
 
+def test_the_batched_conv_layout_is_the_varlen_conv_per_sequence():
+    """Without query_start_loc (``[B, dim, L]``, as SGLang's prefill conv calls it per request on a
+    one-slot view of the pool with the fix pr29068-cpu-conv-varlen-state): each sequence is the
+    varlen conv of it alone, from its own slot's state, in the input's memory layout."""
+    x = torch.randn(2, 5, DIM).transpose(1, 2)  # [B, dim, L], transposed memory as the kernel's
+    w, b = torch.randn(DIM, WIDTH), torch.randn(DIM)
+    pool = torch.randn(4, DIM, WIDTH - 1)
+    start, varlen = pool.clone(), pool.clone()
+    slots, initial = torch.tensor([3, 1], dtype=torch.int32), torch.tensor([True, False])
+    out = ops.causal_conv1d_fwd_cpu(x, w, b, pool, None, slots, initial, True, -1, False)
+    assert out.shape == x.shape and out.stride() == x.stride()
+    want = ops.causal_conv1d_fwd_cpu(torch.cat(list(x), dim=1), w, b, varlen,
+                                     torch.tensor([0, 5, 10], dtype=torch.int32), slots, initial,
+                                     True, -1, False)
+    torch.testing.assert_close(torch.cat(list(out), dim=1), want)
+    torch.testing.assert_close(pool, varlen)
+    assert torch.equal(pool[[0, 2]], start[[0, 2]]) and not torch.equal(pool[3], start[3])
+    view = start[3:4].clone()  # the one-slot view: index 0
+    one = ops.causal_conv1d_fwd_cpu(x[:1], w, b, view, None, torch.tensor([0], dtype=torch.int32),
+                                    initial[:1], True, -1, False)
+    torch.testing.assert_close(one[0], out[0])
+    torch.testing.assert_close(view[0], pool[3])
+
+
 def test_the_conv_update_is_one_step_of_the_forward():
     w, b = torch.randn(DIM, WIDTH), torch.randn(DIM)
     pool = torch.randn(5, DIM, WIDTH - 1)

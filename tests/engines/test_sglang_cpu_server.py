@@ -16,7 +16,9 @@ Two paths, as the matrix field ``cpu_ops`` chooses:
 * ``kernel`` (AVX-512-BF16 only): SGLang's CPU kernel, whose varlen causal conv1d ignores the conv
   state an extend starts from (upstream PR #29068), so the first width-1 (3) prompt tokens
   prefilled on a cached prefix get wrong logits while everything after them is at the bf16 floor.
-  Should a rebuilt kernel fix it, the last test fails and says so.
+  Should a rebuilt kernel fix it, the kernel test below fails and says so. The fix
+  ``pr29068-cpu-conv-varlen-state`` (``evalsvc.builds.patches``) binds SGLang's CPU prefill conv to
+  per-request calls of the kernel's non-varlen path, which carries the state: the last test.
 
 A missing kernel wheel fails these tests under CI and skips them elsewhere, naming what to install;
 the kernel-path tests skip on a CPU without AVX-512-BF16, naming what it lacks.
@@ -28,6 +30,7 @@ import inspect
 import json
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +40,9 @@ import yaml
 from rich.console import Console
 
 from evalsvc.builds import sglang_cpu
+from evalsvc.builds.build import BuildError, download_wheel
+from evalsvc.builds.patches import apply_patch
+from evalsvc.builds.probes import CPU_CONV_VARLEN_STATE, Status
 from evalsvc.builds.sglang_env import env_root
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.sglang_cpu_ops import OPS
@@ -266,3 +272,63 @@ def test_a_build_of_the_release_starts_and_serves_with_and_without_a_defect_patc
     log = (tmp_path / "out" / "logs" / f"{CHUNKED}.log").read_text()
     assert str(manifest.parent) in log  # SGLang ran from the build, not the environment's copy
     assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
+
+
+def _patched_conv(python: Path, tmp_path: Path, ops: str, kernel: Path | None = None) -> dict:
+    """conv1d_per_request.py's report on 0.5.17's gdn_backend.py with pr29068-cpu-conv-varlen-state
+    applied (from the release's wheel: the environment's own release), on the ops ``ops``; the
+    patched binding agrees exactly with one pass, whatever the released one does."""
+    try:
+        wheel = download_wheel("0.5.17")
+    except BuildError as exc:
+        _missing(exc)
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path, [m for m in archive.namelist() if m.endswith(".py")])
+    backend = tmp_path / "sglang" / "srt" / "layers" / "attention" / "linear" / "gdn_backend.py"
+    installed = next(python.parents[1].glob(
+        "lib/python3*/site-packages/sglang/srt/layers/attention/linear/gdn_backend.py"))
+    assert backend.read_bytes() == installed.read_bytes()
+    result = apply_patch(tmp_path, CPU_CONV_VARLEN_STATE)
+    assert (result.before.status, result.after.status) == (Status.ABSENT, Status.PRESENT)
+
+    env = {**os.environ, "PYTHONPATH": str(kernel or ""), "SGLANG_USE_CPU_ENGINE": "1",
+           "EVALSVC_CPU_OPS": ops}
+    out = subprocess.run([str(python), str(DATA / "conv1d_per_request.py"), str(backend)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["unpatched_is_kernel_wrapper"], report["unpatched_binds"]
+    assert report["patched_binds"] == "causal_conv1d_fn_cpu_per_request"
+    fixed, released = report["patched"], report["unpatched"]
+    for stage in fixed["stages"]:
+        assert stage["max_difference"] == 0.0 and all(stage["state_holds_last_tokens"]), fixed
+    assert fixed["final_state_difference"] == 0.0 and fixed["other_slots_moved"] == 0.0, fixed
+    assert fixed["stride"] == released["stride"] and fixed["dtype"] == released["dtype"]
+    return report
+
+
+def test_the_cpu_conv_patch_runs_on_the_reference_ops(sglang_python, tmp_path):
+    """A build with pr29068-cpu-conv-varlen-state also serves on the reference path (any CPU): the
+    reference conv takes the kernel's non-varlen layout the patched binding calls, and there the
+    released binding is right too (the reference varlen conv reads the state)."""
+    released = _patched_conv(sglang_python, tmp_path, "reference")["unpatched"]
+    assert all(s["max_difference"] == 0.0 and all(s["state_holds_last_tokens"])
+               for s in released["stages"]), released
+
+
+def test_the_cpu_conv_patch_carries_the_state(sglang_python, kernel_dir, tmp_path):
+    """0.5.17's ``gdn_backend.py`` with ``pr29068-cpu-conv-varlen-state`` applied, imported in the
+    environment beside its SGLang: the conv it binds for the CPU, over three extends (the later two
+    from the state the one before left, among them extends of 2 and 1 tokens), gives exactly the
+    outputs and states of one pass over the whole sequences and leaves other slots alone; the
+    release's own binding (the kernel's varlen wrapper) gets the first width - 1 outputs of each
+    later extend wrong by whole units and leaves a short extend's state wrong."""
+    released = _patched_conv(sglang_python, tmp_path, "kernel", kernel_dir)["unpatched"]
+    # unpatched: exact from no state, then every request's first outputs off by whole units, and
+    # the 2- and 1-token extends (requests 2 and 3 of the second) leave a wrong state
+    first, *later = released["stages"]
+    assert first["max_difference"] == 0.0, released
+    assert all(min(stage["first_tokens_difference"]) > 0.5 for stage in later), released
+    assert later[0]["lens"] == [12, 2, 1]
+    assert later[0]["state_holds_last_tokens"] == [True, False, False], released
+    assert released["other_slots_moved"] == 0.0, released

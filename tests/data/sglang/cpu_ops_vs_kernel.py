@@ -133,6 +133,16 @@ def conv_fwd():
         outs.append(out[0])
     o1 = torch.cat(outs, dim=1)
     compare("causal_conv1d_fwd_cpu", {"out": (o2, o1), "pool": (mine, theirs)})
+    # the reference in the same per-request, non-varlen calls (the fix pr29068-cpu-conv-varlen-state)
+    mine, outs = start.clone(), []
+    for i, slot in enumerate(SLOTS.tolist()):
+        s, e = CU[i].item(), CU[i + 1].item()
+        seq = x[:, s:e].t().contiguous()[None].transpose(1, 2)
+        outs.append(ref.causal_conv1d_fwd_cpu(seq, w, bias, mine[slot:slot + 1], None,
+                                              torch.tensor([0], dtype=torch.int32),
+                                              initial[i:i + 1], True, -1, False)[0])
+    compare("causal_conv1d_fwd_cpu per request", {"out": (torch.cat(outs, dim=1), o1),
+                                                  "pool": (mine, theirs)})
     # the varlen path SGLang takes: the same where no request starts from a state
     none = torch.zeros(3, dtype=torch.bool)
     mine, theirs = start.clone(), kernel_conv_pool(start)
