@@ -261,10 +261,13 @@ def test_a_build_of_the_release_starts_and_serves_with_and_without_a_defect_patc
     for patch in patches:
         argv += ["--patch", patch]
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1500)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # exit 1: a verdict failed (the defect can act here: a hit's prefill split into 128-token chunks)
+    assert out.returncode in (0 if not patches else 1, 0), out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert {r["scenario"] for r in rows} == {"cold", "prefill_hit"}
     assert all(r["verdict"] in ("pass", "fail") for r in rows), rows  # served and scored
+    if not patches:
+        assert all(r["verdict"] == "pass" for r in rows), rows
     assert all(r["kl_k3_mean"] is not None for r in rows), rows
     [manifest] = (tmp_path / "data" / "builds").glob("*/manifest.json")
     built = json.loads(manifest.read_text())
