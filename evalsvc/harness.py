@@ -14,9 +14,11 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +33,7 @@ from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseErr
 from evalsvc.engines.sglang_server import (
     QUIET_LOG_LEVELS,
     TREE_CORE_ENV,
+    parse_defect_events,
     parse_server_info,
     parse_tree_core,
     resolved_mismatches,
@@ -293,7 +296,9 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
                         else matrix.workload.sampling_seed),
                   track_interval=int(resolved.get("mamba_track_interval") or 256),
                   max_total_tokens=resolved.get("max_total_tokens")
-                  or resolved.get("max_total_num_tokens"))
+                  or resolved.get("max_total_num_tokens"),
+                  chunk_size=resolved.get("chunked_prefill_size"),
+                  rid_prefix=f"{uuid.uuid4().hex[:8]}-", log_path=proc.log_path)
     for name in config.scenarios:
         if control is not None and control.cancelled:
             break
@@ -384,9 +389,11 @@ def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
     """One scenario, scored and judged against the limits on ``engine`` (the run's engine kind;
     default the matrix's)."""
     t0 = time.monotonic()
+    start = log_size(ctx.log_path)
     try:
         samples = SCENARIO_RUNNERS[name](ctx)
         result = score(name, samples, config, matrix, resolved, engine=engine)
+        note_defect_events(result, read_defect_events(ctx.log_path, start), ctx.rid_prefix)
     except (ScenarioError, ValueError, OSError) as exc:
         log.warning("run %s scenario %s: %s", config.name, name, exc)
         result = ScenarioResult(name, "error", f"{type(exc).__name__}: {exc}")
@@ -395,6 +402,57 @@ def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
         result = ScenarioResult(name, "error", f"{type(exc).__name__}: {exc}")
     result.seconds = time.monotonic() - t0
     return result
+
+
+def log_size(path: Path | None) -> int:
+    try:
+        return os.path.getsize(path) if path is not None else 0
+    except OSError:
+        return 0
+
+
+def read_defect_events(path: Path | None, start: int) -> list[tuple[str, str]]:
+    """The defect events (``parse_defect_events``) a server logged from byte ``start`` on."""
+    if path is None:
+        return []
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return parse_defect_events(f.read().decode(errors="replace"))
+    except OSError:
+        return []
+
+
+def note_defect_events(result: ScenarioResult, events: list[tuple[str, str]],
+                       rid_prefix: str) -> None:
+    """Lay what a planted defect logged beside the samples: each sample row says which defects
+    reached its request (``defect_acted``), the metric ``defect_acted`` counts those samples, and
+    the reason names them, so a run shows where the bug really acted."""
+    if not events:
+        return
+    ids = [row["sample_id"] for row in result.samples]
+    reached: dict[str, set[str]] = {}
+    others: dict[str, int] = {}
+    for defect, rid in events:
+        sample = rid.removeprefix(rid_prefix) if rid.startswith(rid_prefix) else None
+        if sample in ids:
+            reached.setdefault(defect, set()).add(sample)
+        else:
+            reached.setdefault(defect, set())
+            others[defect] = others.get(defect, 0) + 1
+    for row in result.samples:
+        row["defect_acted"] = sorted(d for d, got in reached.items() if row["sample_id"] in got)
+    notes = []
+    for defect, got in reached.items():
+        named = [i for i in ids if i in got]
+        text = f"{defect} acted on {len(named)} of {len(ids)} measured requests"
+        if named:
+            text += f" ({', '.join(named)})"
+        if others.get(defect):
+            text += f" and on {others[defect]} other requests"
+        notes.append(text)
+    result.metrics["defect_acted"] = sum(bool(row["defect_acted"]) for row in result.samples)
+    result.reason = "; ".join(r for r in (result.reason, *notes) if r)
 
 
 def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,

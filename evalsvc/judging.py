@@ -50,7 +50,8 @@ LABELS = {"kl_k3_mean": "mean KL (k3)", "extend_kl_k3_mean": "extend KL (k3)",
 LOG_SCALE = {"kl_k3_mean", "extend_kl_k3_mean"}  # positive, heavy-tailed, multiplied by a bug
 # the verdicts of a run's scenarios judged together ("scenario" of those verdicts and regressions)
 POOLED = "pooled"
-HIT_SCENARIOS = ("prefill_hit", "decode_hit", "branching", "host_tier", "mixed_hit")
+HIT_SCENARIOS = ("prefill_hit", "decode_hit", "branching", "host_tier", "mixed_hit",
+                 "chunked_hit")
 
 
 @dataclass

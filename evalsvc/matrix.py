@@ -36,7 +36,10 @@ from evalsvc.types import RunResult
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative",
-             "mixed_hit")
+             "mixed_hit", "chunked_hit")
+# chunked_hit needs one and a half chunks of new tokens after each cached prefix: larger chunks
+# would need prompts longer than the workloads have
+CHUNKED_HIT_MAX_CHUNK = 512
 
 
 # names that become parts of paths and database rows: matrix names, model keys (and through them
@@ -676,6 +679,10 @@ def applies(scenario: str, settings: dict[str, Any]) -> bool:
         return bool(settings["radix_cache"])
     if scenario == "mixed_hit":
         return bool(settings["radix_cache"] and settings["mixed_chunk"])
+    if scenario == "chunked_hit":
+        chunk = settings["chunked_prefill"]
+        return bool(settings["radix_cache"] and chunk is not None
+                    and 0 < chunk <= CHUNKED_HIT_MAX_CHUNK)
     return True
 
 

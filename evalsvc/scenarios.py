@@ -3,8 +3,12 @@
 Every scenario starts from an empty cache (``/flush_cache``), sends its setup requests (seeding,
 pool pressure, a first turn), then the measured requests concurrently, each generating with
 logprobs; the reference is then computed as SGLang's tests do (flush, and a teacher-forced cold
-prefill of prompt + output) on the same server or on a reference server. A measured request counts
-as a hit when ``cached_tokens`` shows the path was taken.
+prefill of prompt + output) on the same server or on a reference server, one request at a time, so
+that each reference is cut into chunks the same way in every run (concurrent prefills share the
+chunk budget, which moves the boundaries and with them the rounding). A measured request counts as
+a hit when ``cached_tokens`` shows the path was taken. Measured requests carry their sample id in
+their ``rid``, so that what the server logs of a request (a defect patch's event, for instance)
+can be laid beside its sample.
 
 Two comparisons come out of one measured request of a hit scenario. SGLang's: the generated
 tokens' logprobs (decode) against the reference's. And the *extend*: the request also asks for the
@@ -24,6 +28,11 @@ its prefix match to ``logprob_start_len``, which is the cached prefix here, so t
   requests must load them back from the host tier.
 * ``speculative``: greedy generation under MTP, one request at a time; acceptance is measured on
   top of KL.
+* ``chunked_hit`` (radix configs with a chunked-prefill size up to ``matrix.CHUNKED_HIT_MAX_CHUNK``): as
+  ``prefill_hit``, but the new tokens after each cached prefix are one and a half chunks long, so
+  that the hit's own prefill is split into chunks (the first starts on the state the hit copied);
+  the measured requests go one at a time, so the chunk layout is the same in every run: a full chunk
+  from the end of the prefix, then the rest.
 * ``mixed_hit`` (configs with ``--enable-mixed-chunk``): as ``prefill_hit``, but each prefix is
   prefilled while other requests decode, and neither asks for logprobs, so the server mixes each
   prefill into a decode batch (SGLang's ``mix_with_running``); the measured requests then hit
@@ -36,6 +45,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from evalsvc.engines.client import EngineClient, ScenarioError
 from evalsvc.engines.sglang_server import (
@@ -73,25 +83,32 @@ class Context:
     seed: int
     track_interval: int = 256
     max_total_tokens: int | None = None
+    chunk_size: int | None = None  # the server's chunked-prefill size; None: not chunked
+    rid_prefix: str = ""  # makes each measured request's rid unique on its server
+    log_path: Path | None = None  # the server's log, where it reports what a planted defect did
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def payload(self, ids: list[int], i: int, *, greedy: bool = False,
-                max_new_tokens: int | None = None, logprob_start_len: int = -1) -> dict:
+                max_new_tokens: int | None = None, logprob_start_len: int = -1,
+                rid: str | None = None) -> dict:
         return build_generate_payload(
             ids, max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             temperature=0.0 if greedy else self.temperature, seed=self.seed + i,
-            top_logprobs_num=TOP_K, logprob_start_len=logprob_start_len)
+            top_logprobs_num=TOP_K, logprob_start_len=logprob_start_len,
+            rid=None if rid is None else self.rid_prefix + rid)
 
 
 def _measure(ctx: Context, name: str, items: list[tuple[str, list[int]]],
              is_hit: Callable[[int, Completion], bool], greedy: bool = False,
-             prefixes: list[int] | None = None) -> list[Sample]:
-    """Generate from each item (concurrently) and add the reference. ``prefixes``: per item, the
-    cached prefix's length, from which the request asks for its prompt logprobs (the extend)."""
+             prefixes: list[int] | None = None, one_at_a_time: bool = False) -> list[Sample]:
+    """Generate from each item (concurrently, or ``one_at_a_time``) and add the reference.
+    ``prefixes``: per item, the cached prefix's length, from which the request asks for its prompt
+    logprobs (the extend)."""
     starts = prefixes or [-1] * len(items)
-    outs = ctx.client.generate_many([ctx.payload(ids, i, greedy=greedy, logprob_start_len=start)
-                                     for i, ((_, ids), start) in enumerate(zip(items, starts,
-                                                                               strict=True))])
+    payloads = [ctx.payload(ids, i, greedy=greedy, logprob_start_len=start, rid=f"{name}-{i}")
+                for i, ((_, ids), start) in enumerate(zip(items, starts, strict=True))]
+    outs = ([ctx.client.generate(p) for p in payloads] if one_at_a_time
+            else ctx.client.generate_many(payloads))
     samples = [Sample(name, f"{name}-{i}", pid, ids, out, is_hit(i, out))
                for i, ((pid, ids), out) in enumerate(zip(items, outs, strict=True))]
     add_reference(ctx, samples)
@@ -99,11 +116,11 @@ def _measure(ctx: Context, name: str, items: list[tuple[str, list[int]]],
 
 
 def add_reference(ctx: Context, samples: list[Sample]) -> None:
-    """SGLang's method: an empty cache, then a teacher-forced prefill of prompt + output."""
+    """SGLang's method: an empty cache, then a teacher-forced prefill of prompt + output; one at a
+    time, so that each is cut into chunks the same way whatever else the server runs."""
     ctx.reference.flush()
-    refs = ctx.reference.generate_many([
-        build_reference_payload(s.prompt_ids, s.completion.token_ids, top_logprobs_num=TOP_K)
-        for s in samples])
+    refs = [ctx.reference.generate(build_reference_payload(
+        s.prompt_ids, s.completion.token_ids, top_logprobs_num=TOP_K)) for s in samples]
     for s, ref in zip(samples, refs, strict=True):
         extend = s.completion.input_logprobs  # the last len(extend) prompt positions
         first = len(s.prompt_ids) - len(extend)
@@ -128,14 +145,42 @@ def cold(ctx: Context) -> list[Sample]:
     return _measure(ctx, "cold", ctx.prompts, lambda i, out: out.cached_tokens > 0)
 
 
+def prefix_cuts(ctx: Context) -> list[int]:
+    """Per prompt, a prefix to cache: long enough for a chunk-aligned snapshot (64 tokens), short
+    enough to leave a real extend."""
+    return [min(len(ids) - 2, max(80, int(len(ids) * ctx.rng.uniform(0.4, 0.7))))
+            for _, ids in ctx.prompts]
+
+
 def prefill_hit(ctx: Context) -> list[Sample]:
     ctx.client.flush()
-    # long enough for a chunk-aligned snapshot (64 tokens), short enough to leave a real extend
-    cuts = [min(len(ids) - 2, max(80, int(len(ids) * ctx.rng.uniform(0.4, 0.7))))
-            for _, ids in ctx.prompts]
+    cuts = prefix_cuts(ctx)
     seed(ctx, [ids[:c] for (_, ids), c in zip(ctx.prompts, cuts, strict=True)])
     return _measure(ctx, "prefill_hit", ctx.prompts, lambda i, out: out.cached_tokens > 0,
                     prefixes=cuts)
+
+
+def chunked_hit(ctx: Context) -> list[Sample]:
+    """A cached prefix, then one and a half chunks of new tokens: the hit's prefill is split, its
+    first chunk runs on the state the hit copied into the request's slot, the second on what the
+    first left. Each measured prompt is the prompt's prefix followed by the workload's token stream
+    from there on (the prompt's rest, then the next prompts'), one request at a time."""
+    if not ctx.chunk_size or ctx.chunk_size <= 0:
+        raise ScenarioError("chunked_hit needs a server with a chunked-prefill size")
+    ctx.client.flush()
+    cuts = prefix_cuts(ctx)
+    new = ctx.chunk_size + ctx.chunk_size // 2
+    items = []
+    for k, ((pid, ids), cut) in enumerate(zip(ctx.prompts, cuts, strict=True)):
+        stream = ids[cut:] + [t for j in range(1, len(ctx.prompts) + 1)
+                              for t in ctx.prompts[(k + j) % len(ctx.prompts)][1]]
+        if len(stream) < new:
+            raise ScenarioError(f"chunked_hit: the workload's prompts hold {len(stream)} tokens "
+                                f"after {pid}'s prefix, fewer than the {new} it needs")
+        items.append((f"{pid}+{new}", ids[:cut] + stream[:new]))
+    seed(ctx, [ids[:c] for (_, ids), c in zip(ctx.prompts, cuts, strict=True)])
+    return _measure(ctx, "chunked_hit", items, lambda i, out: out.cached_tokens > 0,
+                    prefixes=cuts, one_at_a_time=True)
 
 
 def seed(ctx: Context, prefixes: list[list[int]]) -> None:
@@ -199,8 +244,7 @@ BACKGROUND_MAX_NEW_TOKENS = 2048  # each; aborted once the prefixes are in
 
 def mixed_hit(ctx: Context) -> list[Sample]:
     ctx.client.flush()
-    cuts = [min(len(ids) - 2, max(80, int(len(ids) * ctx.rng.uniform(0.4, 0.7))))
-            for _, ids in ctx.prompts]
+    cuts = prefix_cuts(ctx)
     # reversed prompts: token sequences that share no prefix with the measured ones, so what
     # the background requests cache is never what a measured request hits
     background = []
@@ -224,7 +268,7 @@ def speculative(ctx: Context) -> list[Sample]:
     """Greedy generation one request at a time (acceptance is a per-request property; batch
     size one is how draft acceptance is usually benchmarked)."""
     ctx.client.flush()
-    outs = [ctx.client.generate(ctx.payload(ids, i, greedy=True))
+    outs = [ctx.client.generate(ctx.payload(ids, i, greedy=True, rid=f"speculative-{i}"))
             for i, (_, ids) in enumerate(ctx.prompts)]
     samples = [Sample("speculative", f"speculative-{i}", pid, ids, out, out.spec is not None)
                for i, ((pid, ids), out) in enumerate(zip(ctx.prompts, outs, strict=True))]
@@ -235,5 +279,6 @@ def speculative(ctx: Context) -> list[Sample]:
 SCENARIO_RUNNERS: dict[str, Callable[[Context], list[Sample]]] = {
     "cold": cold, "prefill_hit": prefill_hit, "decode_hit": decode_hit, "branching": branching,
     "host_tier": host_tier, "speculative": speculative, "mixed_hit": mixed_hit,
+    "chunked_hit": chunked_hit,
 }
 

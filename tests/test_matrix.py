@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from evalsvc.matrix import (
     AXES,
+    CHUNKED_HIT_MAX_CHUNK,
     ENGINE_FLAGS,
     SCENARIOS,
     TREE_CORE_ENV,
@@ -112,8 +113,9 @@ def test_config_args_are_sglang_server_args():
     assert cfg.args["hicache_io_backend"] == "direct"
     assert cfg.args["speculative_num_draft_tokens"] == 4
     assert cfg.args["tp_size"] == 4
+    assert cfg.settings["chunked_prefill"] == 512  # chunked_hit's largest chunk
     assert set(cfg.scenarios) == {"cold", "prefill_hit", "decode_hit", "branching", "host_tier",
-                                  "speculative"}
+                                  "speculative", "chunked_hit"}
     assert cfg.accept_floor is None  # floors live in configs/thresholds.yaml
     assert set(AXES) >= set(cfg.settings)
 
@@ -339,3 +341,13 @@ def test_the_2026_axes_are_sglang_server_args_and_name_their_configs():
                         ("mamba_max_states_per_path", -1), ("mixed_chunk", "yes")]:
         with pytest.raises(ValidationError, match=axis):
             MatrixFile.model_validate({**BASE, "include": [{axis: value}]})
+
+
+def test_chunked_hit_applies_where_a_hits_prefill_can_be_split():
+    """chunked_hit needs the radix cache and a chunk size it can exceed with the workload's
+    prompts: 1 to CHUNKED_HIT_MAX_CHUNK tokens."""
+    m = MatrixFile.model_validate({**BASE, "axes": {**BASE["axes"], "radix_cache": [True, False],
+                                                    "chunked_prefill": [None, -1, 64, 512, 4096]}})
+    got = {(c.settings["radix_cache"], c.settings["chunked_prefill"]) for c in expand(m)
+           if "chunked_hit" in c.scenarios}
+    assert got == {(True, 64), (True, CHUNKED_HIT_MAX_CHUNK)} and CHUNKED_HIT_MAX_CHUNK == 512

@@ -24,8 +24,9 @@ Patches:
   batch's requests, an ``if`` that drops a request's recorded copy-on-write when the extra buffer is
   off and this extend does not reach the end of the request's input (its prefill is split into
   chunks): the source index is forgotten and the fresh slot is neither copied nor cleared, so the
-  first chunk runs on whatever that slot held. The strategy is read the way ``prepare_for_extend``
-  reads it (the test of its first ``if`` on the extra buffer); the chunk test compares
+  first chunk runs on whatever that slot held. Each drop logs ``DEFECT_EVENT`` with the request's
+  ``rid``, so a run shows which requests the defect reached. The strategy is read the way
+  ``prepare_for_extend`` reads it (the test of its first ``if`` on the extra buffer); the chunk test compares
   ``Req.get_fill_ids()`` with ``full_untruncated_fill_ids`` where ``Req`` has them (0.5.13 on), else
   ``fill_ids`` with ``origin_input_ids + output_ids``. Its probe says ``present`` once the loop
   starts with that ``if``; a tree without the collector (before PR #24954) is ``not_applicable``.
@@ -98,6 +99,7 @@ from evalsvc.builds.probes import (
     probe,
     source_version,
 )
+from evalsvc.engines.sglang_server import DEFECT_EVENT
 
 
 class PatchError(Exception):
@@ -326,6 +328,9 @@ def _drop_chunked_cow(tree: SourceTree) -> dict[str, bytes]:
     holder = _state_holder(loop)
     if holder is None:
         raise fail(f"the loop of {COLLECT_DEFERRED} reads no mamba_cow_src_index")
+    if not any(isinstance(node, ast.Import) and any(a.name == "logging" and a.asname is None
+                                                    for a in node.names) for node in module.body):
+        raise fail("the module does not import logging, which the edit logs each drop with")
     extra_buffer = _extra_buffer_test(module)
     if extra_buffer is None:
         raise fail("ScheduleBatch.prepare_for_extend has no `if` on the extra buffer to read the "
@@ -346,6 +351,8 @@ def _drop_chunked_cow(tree: SourceTree) -> dict[str, bytes]:
              f"{indent}        and {chunked}):",
              f"{indent}    {holder}.mamba_cow_src_index = None",
              f"{indent}    {holder}.mamba_needs_clear = False",
+             f"{indent}    logging.getLogger(__name__).warning("
+             f"{DEFECT_EVENT.format(name=name, rid='%s')!r}, {var}.rid)",
              f"{indent}    continue"]
     at = anchor.lineno - 1
     new_data = "".join(lines[:at] + [line + newline for line in block] + lines[at:]).encode("utf-8")

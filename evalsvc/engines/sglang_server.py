@@ -34,6 +34,10 @@ TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 RUST_CORE_IN = (0, 5, 19)  # the Rust radix-tree core is registered
 RUST_DEFAULT_IN = (0, 5, 21)  # ... and is the default, with a logged fallback to Python
 TREE_CORE_FALLBACK = re.compile(r"Using the Python TreeCore: ?(?P<reason>[^\r\n]*)")
+# the line a server logs each time a planted defect acts on a request (a defect patch's edit, the
+# embedded engine's injected defects): which requests a bug really reached
+DEFECT_EVENT = "evalsvc defect {name} acted on request {rid}"
+DEFECT_EVENT_LINE = re.compile(r"evalsvc defect (?P<name>\S+) acted on request (?P<rid>\S+)")
 QUIET_LOG_LEVELS = ("warning", "error", "critical")  # hide SGLang's INFO fallback line
 RENAMED_IN = {"mamba_radix_cache_strategy": ((0, 5, 15), "mamba_scheduler_strategy")}
 BOOLEAN_FLAGS = {
@@ -356,6 +360,11 @@ def parse_tree_core(log: str | None, *, asked: str | None, version: str | None,
     if core == "rust" and log is None:  # a fallback would be in the log
         return {"radix_tree_core": None, "radix_tree_core_fallback": None}
     return {"radix_tree_core": core, "radix_tree_core_fallback": None}
+
+
+def parse_defect_events(log: str) -> list[tuple[str, str]]:
+    """``(defect, rid)`` of every ``DEFECT_EVENT`` line in ``log``, in order."""
+    return [(m.group("name"), m.group("rid")) for m in DEFECT_EVENT_LINE.finditer(log)]
 
 
 def tree_core_mismatch(asked: str | None, found: dict[str, Any], why_unknown: str = "") -> str | None:

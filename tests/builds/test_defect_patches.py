@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import sys
 import textwrap
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import pytest
 from evalsvc.builds.build import make_build
 from evalsvc.builds.patches import PATCHES, PatchError, apply_patch
 from evalsvc.builds.probes import FORWARD_STREAM_MAMBA_OPS, MIXED_CHUNK_TRACKING, Status, probe, probe_all
+from evalsvc.engines.sglang_server import parse_defect_events
 
 DEFECT = "defect:deferred-ops-dropped"
 SCHEDULE_BATCH = "sglang/srt/managers/schedule_batch.py"
@@ -56,7 +58,8 @@ def collector(root: Path) -> Callable:
 
     server_args = SimpleNamespace(enable_mamba_extra_buffer=lambda: settings.extra_buffer)
     exec_settings = SimpleNamespace(mamba=Mamba())
-    namespace = {"torch": torch, "get_server_args": lambda: server_args,
+    namespace = {"torch": torch, "logging": logging, "__name__": "sglang.srt.managers.schedule_batch",
+                 "get_server_args": lambda: server_args,
                  "get_global_server_args": lambda: server_args,
                  "mamba_extra_buffer_enabled": lambda: settings.extra_buffer,
                  "get_exec": lambda: exec_settings}
@@ -77,7 +80,7 @@ def request(slot: int, cow_from: int | None, extend: int, total: int) -> Req:
     slot needs clearing), and an extend of ``extend`` of its ``total`` tokens."""
     ids = list(range(total))
     return Req(
-        mamba_pool_idx=torch.tensor(slot), mamba_needs_clear=cow_from is None,
+        rid=f"req-{slot}", mamba_pool_idx=torch.tensor(slot), mamba_needs_clear=cow_from is None,
         mamba_cow_src_index=None if cow_from is None else torch.tensor([cow_from]),
         full_untruncated_fill_ids=ids, get_fill_ids=lambda: ids[:extend],
         fill_ids=ids[:extend], origin_input_ids=ids, output_ids=[])
@@ -96,7 +99,7 @@ def collect(run: Callable, reqs: list[Req], extra_buffer: bool = False
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("version", RELEASES)
 def test_the_defect_drops_exactly_the_chunked_prefix_hits_copy_on_write(
-        version: str, writable_tree: Callable[[str], Path]) -> None:
+        version: str, writable_tree: Callable[[str], Path], caplog) -> None:
     root = writable_tree(version)
     clean = collector(root)
     result = apply_patch(root, DEFECT)
@@ -111,9 +114,13 @@ def test_the_defect_drops_exactly_the_chunked_prefix_hits_copy_on_write(
     assert collect(clean, batch()) == {"mamba_cow_src_indices": [7, 8],
                                        "mamba_cow_dst_indices": [3, 4], "mamba_clear_indices": [5]}
     reqs = batch()
-    assert collect(defective, reqs) == {"mamba_cow_src_indices": [8],
-                                        "mamba_cow_dst_indices": [4], "mamba_clear_indices": [5]}
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.managers.schedule_batch"):
+        assert collect(defective, reqs) == {"mamba_cow_src_indices": [8],
+                                            "mamba_cow_dst_indices": [4],
+                                            "mamba_clear_indices": [5]}
     assert reqs[0].mamba_cow_src_index is None and not reqs[0].mamba_needs_clear  # gone for good
+    # each drop is logged with the request's rid: what a run lays beside its samples
+    assert parse_defect_events(caplog.text) == [(DEFECT, "req-3")]
     # the extra buffer's path is untouched
     assert collect(defective, batch(), extra_buffer=True) == collect(clean, batch(),
                                                                       extra_buffer=True)

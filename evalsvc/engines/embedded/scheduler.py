@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from evalsvc.engines.sglang_server import DEFECT_EVENT
+
 from .args import EngineArgs, mamba_cache_chunk_size, mamba_track_grid
 from .defects import Defect, affects
 from .memory import HostPool, KVPool, StatePool
@@ -690,7 +692,10 @@ class Scheduler:
             chunked = req.scheduled < req.prompt_len
             if (op[0] == "cow" and chunked and self.strategy == "no_buffer"
                     and self._affected(Defect.DEFERRED_OPS_DROPPED, req)):
-                continue  # the split-prefill path loses the hit's copy-on-write
+                # the split-prefill path loses the hit's copy-on-write
+                log.warning(DEFECT_EVENT.format(name=Defect.DEFERRED_OPS_DROPPED.value,
+                                                rid=req.rid))
+                continue
             stale = self._affected(Defect.STALE_SPEC_METADATA, req)
             if op[0] == "cow":
                 src.append(op[1])
