@@ -443,6 +443,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m.update({f"kl_k3_{k}": v for k, v in kl_summary.items()})
         for est in ("k1", "k2"):
             m[f"kl_{est}_mean"] = float(np.mean([r[f"kl_{est}_mean"] for r in rows]))
+    by_position = metrics.kl_by_position(ext.k3, ext.lengths)  # before the summary reorders k3
     if ext.k3.size:
         nonempty = ext.lengths > 0
         summary = metrics.summarize_pooled_kl(ext.k3, ext.k3_mean[nonempty],
@@ -466,7 +467,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
             counters, resolved.get("avg_spec_accept_length")).items()})
         m["accept_length"] = metrics.sglang_accept_length(counters)
     verdict, reason = decide(name, m, config, matrix, engine=engine,
-                             extend=metrics.kl_by_position(ext.k3, ext.lengths))
+                             extend=by_position)
     return ScenarioResult(name, verdict, reason, m, rows)
 
 

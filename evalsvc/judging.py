@@ -102,9 +102,10 @@ def extend_location(profile: PositionKL | None) -> str | None:
     the extend's, each next one that stands out from what is left added (STANDOUT times its
     level); at most NAMED_POSITIONS, and they must stand out from the rest together. A position's
     level is its mean k3 over the samples whose extend reaches it; the rest's, the mean over all
-    of its tokens. Extends differ in length: "of 40-96" gives the shortest and the longest. None
-    without extends of two tokens or more (one position says nothing about where), or without k3
-    to place (zero, or infinite)."""
+    of its tokens, with its highest position where that stands out from it ("...; other
+    positions at 0.00075, up to 0.047 (position 3)"). Extends differ in length: "of 40-96" gives
+    the shortest and the longest. None without extends of two tokens or more (one position says
+    nothing about where), or without k3 to place (zero, or infinite)."""
     if profile is None or profile.sums.size < 2:
         return None
     sums, counts = profile.sums, profile.counts
@@ -121,16 +122,21 @@ def extend_location(profile: PositionKL | None) -> str | None:
 
     k = int(np.searchsorted(np.cumsum(sums[order]), 0.5 * total)) + 1
     while k < min(NAMED_POSITIONS, sums.size - 1) and (
-            level(order[k:k + 1]) >= STANDOUT * level(order[k + 1:])):
+            0 < level(order[k:k + 1]) >= STANDOUT * level(order[k + 1:])):
         k += 1
-    named = np.sort(order[:k])
-    if k > NAMED_POSITIONS or k >= sums.size or level(named) < STANDOUT * level(order[k:]):
+    named, rest = np.sort(order[:k]), level(order[k:])
+    if k > NAMED_POSITIONS or k >= sums.size or level(named) < STANDOUT * rest:
         return f"spread along the extend of {span}, no position standing out"
-    at = ", ".join(f"{sums[p] / counts[p]:.3g}" for p in named)
+    levels = sums / counts
+    at = ", ".join(f"{levels[p]:.3g}" for p in named)
     where = ", ".join(str(p) for p in named)
     others = f"positions {k}+" if named[-1] == k - 1 else "other positions"
+    levels[named] = -np.inf
+    top = int(np.argmax(levels))
+    peak = (f", up to {levels[top]:.3g} (position {top})"
+            if levels[top] >= STANDOUT * rest > 0 else "")
     return (f"k3 {at} at extend position{'s' if k > 1 else ''} {where} of {span}; {others} at "
-            f"{level(order[k:]):.3g}")
+            f"{rest:.3g}{peak}")
 
 
 def locate_extend(j: Judgement | None, profile: PositionKL | None) -> None:
