@@ -159,7 +159,13 @@ def straightforward_score(name: str, samples: list[Sample], config: Config, matr
         m.update({f"accept_{k}": v for k, v in metrics.summarize_acceptance(
             counters, resolved.get("avg_spec_accept_length")).items()})
         m["accept_length"] = metrics.sglang_accept_length(counters)
-    verdict, reason = decide(name, m, config, matrix)
+    longest = max((len(e) for e in per_sample_extend), default=0)
+    by_position = metrics.PositionKL(np.zeros(longest), np.zeros(longest, dtype=np.int64),
+                                     np.array([len(e) for e in per_sample_extend], dtype=np.int64))
+    for e in per_sample_extend:
+        by_position.sums[: len(e)] += e
+        by_position.counts[: len(e)] += 1
+    verdict, reason = decide(name, m, config, matrix, extend=by_position)
     return ScenarioResult(name, verdict, reason, m, rows)
 
 
@@ -181,6 +187,7 @@ def _sample_row(s: Sample, kl: dict[str, np.ndarray], extend_k3: np.ndarray) -> 
         "extend_tokens": len(extend_k3),
         "extend_kl_k3_mean": float(extend_k3.mean()) if len(extend_k3) else None,
         "extend_kl_k3_max": float(extend_k3.max()) if len(extend_k3) else None,
+        "extend_ids": list(s.extend_ids),
         "extend_logprobs": list(s.extend),
         "extend_reference_logprobs": list(s.extend_reference),
         "output_ids": list(s.completion.token_ids),

@@ -501,6 +501,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m.update({f"kl_k3_{k}": v for k, v in kl_summary.items()})
         for est in ("k1", "k2"):
             m[f"kl_{est}_mean"] = float(np.mean([r[f"kl_{est}_mean"] for r in rows]))
+    by_position = metrics.kl_by_position(ext.k3, ext.lengths)  # before the summary reorders k3
     if ext.k3.size:
         nonempty = ext.lengths > 0
         summary = metrics.summarize_pooled_kl(ext.k3, ext.k3_mean[nonempty],
@@ -523,7 +524,8 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m.update({f"accept_{k}": v for k, v in metrics.summarize_acceptance(
             counters, resolved.get("avg_spec_accept_length")).items()})
         m["accept_length"] = metrics.sglang_accept_length(counters)
-    verdict, reason = decide(name, m, config, matrix, engine=engine)
+    verdict, reason = decide(name, m, config, matrix, engine=engine,
+                             extend=by_position)
     return ScenarioResult(name, verdict, reason, m, rows)
 
 
@@ -543,11 +545,13 @@ def collections_held():
 
 
 def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile, *,
-           engine: str | None = None) -> tuple[str, str]:
+           engine: str | None = None, extend: metrics.PositionKL | None = None
+           ) -> tuple[str, str]:
     """pass / fail / inconclusive for one scenario against its fixed limits on ``engine``
-    (``judging.judge_scenario``), as ``verdicts.judge_run`` finds them for the job's engine."""
+    (``judging.judge_scenario``), as ``verdicts.judge_run`` finds them for the job's engine;
+    ``extend``: the samples' extend k3 by position, placed in a failing extend's reason."""
     limits = judging.scenario_limits(config, matrix, name, engine=engine)
-    return judging.judge_scenario(name, m, limits, uses_mtp=config.uses_mtp)
+    return judging.judge_scenario(name, m, limits, uses_mtp=config.uses_mtp, extend=extend)
 
 
 def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,
@@ -573,6 +577,7 @@ def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float
         "extend_tokens": n_extend,
         "extend_kl_k3_mean": float(extend_mean) if n_extend else None,
         "extend_kl_k3_max": float(extend_max) if n_extend else None,
+        "extend_ids": _as_list(s.extend_ids),
         "extend_logprobs": _as_list(s.extend),
         "extend_reference_logprobs": _as_list(s.extend_reference),
         "output_ids": _as_list(s.completion.token_ids),

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from evalsvc.matrix import Config, MatrixFile
+from evalsvc.metrics.kl import PositionKL
 from evalsvc.metrics.stats import change_point, paired_shift
 from evalsvc.thresholds import HistorySettings, Limits, ThresholdsFile, limits_for
 
@@ -52,6 +53,10 @@ LOG_SCALE = {"kl_k3_mean", "extend_kl_k3_mean"}  # positive, heavy-tailed, multi
 POOLED = "pooled"
 HIT_SCENARIOS = ("prefill_hit", "decode_hit", "branching", "host_tier", "mixed_hit",
                  "chunked_hit")
+# a failing extend's reason names at most this many positions that carry half of its k3, when
+# their level is at least STANDOUT times the rest's
+NAMED_POSITIONS = 3
+STANDOUT = 10.0
 
 
 @dataclass
@@ -88,6 +93,63 @@ def coverage_shortfall(coverage: float | None, need: float) -> str | None:
     return None
 
 
+def extend_location(profile: PositionKL | None) -> str | None:
+    """Where along the extend its k3 sits, for a failing extend verdict's reason, as "k3 130, 41,
+    9.5 at extend positions 0, 1, 2 of 96; positions 3+ at 0.0001" (positions counted from the
+    first token after the cached prefix), or "spread along the extend of 96, no position standing
+    out".
+
+    The positions named are the fewest whose k3, summed over the samples, is at least half of all
+    the extend's, each next one that stands out from what is left added (STANDOUT times its
+    level); at most NAMED_POSITIONS, and they must stand out from the rest together. A position's
+    level is its mean k3 over the samples whose extend reaches it; the rest's, the mean over all
+    of its tokens, with its highest position where that stands out from it ("...; other
+    positions at 0.00075, up to 0.047 (position 3)"). Extends differ in length: "of 40-96" gives
+    the shortest and the longest. None without extends of two tokens or more (one position says
+    nothing about where), or without k3 to place (zero, or infinite)."""
+    if profile is None or profile.sums.size < 2:
+        return None
+    sums, counts = profile.sums, profile.counts
+    total = float(sums.sum())
+    if not np.isfinite(total) or total <= 0:
+        return None
+    lengths = profile.lengths[profile.lengths > 0]
+    low, high = int(lengths.min()), int(lengths.max())
+    span = f"{high}" if low == high else f"{low}-{high}"
+    order = np.argsort(-sums, kind="stable")
+
+    def level(positions: np.ndarray) -> float:
+        return float(sums[positions].sum() / counts[positions].sum()) if positions.size else 0.0
+
+    k = int(np.searchsorted(np.cumsum(sums[order]), 0.5 * total)) + 1
+    while k < min(NAMED_POSITIONS, sums.size - 1) and (
+            0 < level(order[k:k + 1]) >= STANDOUT * level(order[k + 1:])):
+        k += 1
+    named, rest = np.sort(order[:k]), level(order[k:])
+    if k > NAMED_POSITIONS or k >= sums.size or level(named) < STANDOUT * rest:
+        return f"spread along the extend of {span}, no position standing out"
+    levels = sums / counts
+    at = ", ".join(f"{levels[p]:.3g}" for p in named)
+    where = ", ".join(str(p) for p in named)
+    others = f"positions {k}+" if named[-1] == k - 1 else "other positions"
+    levels[named] = -np.inf
+    top = int(np.argmax(levels))
+    peak = (f", up to {levels[top]:.3g} (position {top})"
+            if levels[top] >= STANDOUT * rest > 0 else "")
+    return (f"k3 {at} at extend position{'s' if k > 1 else ''} {where} of {span}; {others} at "
+            f"{rest:.3g}{peak}")
+
+
+def locate_extend(j: Judgement | None, profile: PositionKL | None) -> None:
+    """A failing extend verdict's reason, with where along the extend its k3 sits
+    (``extend_location``) added."""
+    if j is None or j.metric != "extend_kl_k3_mean" or j.verdict != "regression":
+        return
+    where = extend_location(profile)
+    if where is not None:
+        j.reason = f"{j.reason} ({where})"
+
+
 def scenario_limits(config: Config, matrix: MatrixFile | None, scenario: str, *,
                     engine: str | None = None, thresholds: ThresholdsFile | None = None) -> Limits:
     """The limits in force for a config and a scenario: the rules of ``configs/thresholds.yaml``
@@ -103,10 +165,11 @@ def scenario_limits(config: Config, matrix: MatrixFile | None, scenario: str, *,
 
 
 def judge_scenario(scenario: str, metrics: dict[str, Any], limits: Limits, *,
-                   uses_mtp: bool = False) -> tuple[str, str]:
+                   uses_mtp: bool = False, extend: PositionKL | None = None) -> tuple[str, str]:
     """pass / fail / inconclusive for one scenario's metrics (as ``harness.score`` makes them)
     against its fixed limits: ``judge_metric`` without history, which runs where the store is
-    (``evalsvc.verdicts.judge_run``)."""
+    (``evalsvc.verdicts.judge_run``). ``extend``: the samples' extend k3 by position, which a
+    failing extend's reason places (``locate_extend``)."""
     short = coverage_shortfall(metrics["hit_coverage"], limits.min_hit_coverage)
     if short is not None:
         return "inconclusive", short
@@ -116,6 +179,7 @@ def judge_scenario(scenario: str, metrics: dict[str, Any], limits: Limits, *,
     for metric in METRICS:
         j = judge_metric(scenario, metric, metrics.get(metric), {}, limits, Series(),
                          HistorySettings(), exact_fraction=metrics.get("bit_exact_fraction"))
+        locate_extend(j, extend)
         if j is not None and j.verdict == "regression":
             return "fail", j.reason
     return "pass", ""

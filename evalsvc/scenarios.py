@@ -68,7 +68,9 @@ class Sample:
     hit: bool
     reference: list[float] = field(default_factory=list)
     reference_top: TopLogprobs | None = None
-    # the extend: logprobs of the prompt tokens after the cached prefix, and the reference's
+    # the extend: the prompt tokens after the cached prefix (ids), their logprobs and the
+    # reference's
+    extend_ids: list[int] = field(default_factory=list)
     extend: list[float] = field(default_factory=list)
     extend_reference: list[float] = field(default_factory=list)
 
@@ -124,8 +126,10 @@ def add_reference(ctx: Context, samples: list[Sample]) -> None:
     for s, ref in zip(samples, refs, strict=True):
         extend = s.completion.input_logprobs  # the last len(extend) prompt positions
         first = len(s.prompt_ids) - len(extend)
-        for got, want in zip(extend, ref.input_logprobs[first: len(s.prompt_ids)], strict=True):
+        for tid, got, want in zip(s.prompt_ids[first:], extend,
+                                  ref.input_logprobs[first: len(s.prompt_ids)], strict=True):
             if got is not None and want is not None:
+                s.extend_ids.append(tid)
                 s.extend.append(float(got))
                 s.extend_reference.append(float(want))
         n = len(s.completion.token_ids)

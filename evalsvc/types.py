@@ -123,7 +123,8 @@ class SampleScalars(TypedDict):
 class SampleTokens(TypedDict):
     """One sample's per-token lists, kept in the run's Parquet file: the output ids, both sides'
     logprobs (natural log, aligned by position), and per position both sides' top-k ids and
-    logprobs (None without them)."""
+    logprobs (None without them); the same of the extend's prompt tokens (ids and both sides'
+    logprobs, no top-k)."""
 
     output_ids: list[int]
     decode_logprobs: list[float]
@@ -132,6 +133,7 @@ class SampleTokens(TypedDict):
     decode_top_logprobs: list[list[float | None]] | None
     reference_top_ids: list[list[int]] | None
     reference_top_logprobs: list[list[float | None]] | None
+    extend_ids: list[int]
     extend_logprobs: list[float]
     extend_reference_logprobs: list[float]
 

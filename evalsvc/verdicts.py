@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,9 +28,11 @@ from evalsvc.judging import (
     Series,
     after_history,
     judge_metric,
+    locate_extend,
     scenario_limits,
 )
 from evalsvc.matrix import SCENARIOS, Config, MatrixFile
+from evalsvc.metrics.kl import PositionKL, kl_by_position, token_kl_by_sample
 from evalsvc.store.models import (
     Build,
     Commit,
@@ -40,6 +43,7 @@ from evalsvc.store.models import (
     Verdict,
     utcnow,
 )
+from evalsvc.store.record import read_extends
 from evalsvc.thresholds import Limits, ThresholdsFile, load_thresholds
 from evalsvc.types import worst
 
@@ -170,6 +174,21 @@ def judge_pooled(session: Session, run: Run, candidates: list[Run], metric: str,
     return j
 
 
+def stored_extend(run: Run, scenario: str) -> PositionKL | None:
+    """A scenario's extend k3 by position, from the run's Parquet file; None when the file is not
+    here, or its logprobs are not usable."""
+    if not run.samples_path or not Path(run.samples_path).is_file():
+        return None
+    extends = read_extends(run.samples_path, scenario)
+    if extends is None:
+        return None
+    try:
+        ext = token_kl_by_sample(*extends)
+    except ValueError:
+        return None
+    return kl_by_position(ext.k3, ext.lengths)
+
+
 def run_matrix(run: Run) -> MatrixFile | None:
     """The matrix of a run's job, from its spec; None when the spec has none it can read."""
     raw = (run.job.spec or {}).get("matrix")
@@ -241,6 +260,8 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
                              samples.get((scen_row.scenario, metric), {}),
                              limits, series, hs, coverage=m.get("hit_coverage"),
                              exact_fraction=m.get("bit_exact_fraction"))
+            if j is not None and j.metric == "extend_kl_k3_mean" and j.verdict == "regression":
+                locate_extend(j, stored_extend(run, scen_row.scenario))
             if j is not None:
                 add(j)
                 judged.append(j)

@@ -113,6 +113,24 @@ def test_scenario_shaped_input_scores_as_before() -> None:
     check(make_samples(40, 16, extend=3, top_k=5))
 
 
+def test_an_extend_wrong_at_its_first_position_fails_with_that_position_named() -> None:
+    """A state the cache got wrong, as SGLang's CPU conv kernel does (it ignores the conv state
+    for the first positions of an extend): the scenario's reason names the position, and each
+    row keeps the extend's token ids."""
+    samples = make_samples(8, 4, extend=32)
+    for s in samples:
+        s.reference = list(s.completion.logprobs)
+        s.extend_reference = list(s.extend)
+        s.extend_reference[0] = s.extend[0] - 6.0
+        s.extend_ids = s.prompt_ids[-32:]
+    check(samples)
+    config, matrix = scenario_config()
+    got = score("prefill_hit", samples, config, matrix, {})
+    assert got.verdict == "fail"
+    assert got.reason.endswith("(k3 5 at extend position 0 of 32; positions 1+ at 0)")
+    assert got.samples[0]["extend_ids"] == list(range(200, 232))
+
+
 @pytest.mark.parametrize("case", ["empty scenario", "no tokens", "single tokens", "all equal",
                                   "one sample", "no extend", "only extends", "missing top"])
 def test_edge_cases_score_as_before(case: str) -> None:

@@ -1,5 +1,6 @@
-"""One sample's tokens for the drill-down: its row of the run's Parquet file, per-token KL, and the
-generated tokens as text when the model's tokenizer is on this machine."""
+"""One sample's tokens for the drill-down: its row of the run's Parquet file, per-token KL of its
+generated tokens and of its extend, and the tokens as text when the model's tokenizer is on this
+machine."""
 
 from __future__ import annotations
 
@@ -59,6 +60,26 @@ def sample_tokens(row: dict[str, Any], model_path: str | None) -> list[dict[str,
              "decode_logprob": float(dec[i]), "reference_logprob": float(ref[i]),
              "k1": float(kl["k1"][i]), "k2": float(kl["k2"][i]), "k3": float(kl["k3"][i]),
              "colour": colour(float(kl["k3"][i]))} for i, tid in enumerate(ids)]
+
+
+def extend_tokens(row: dict[str, Any], model_path: str | None) -> list[dict[str, Any]]:
+    """Per extend token (the prompt tokens prefilled on the cached prefix; position 0 is the first
+    after it): position, id and text (None where the run did not record them, or without a
+    tokenizer), both sides' logprobs (natural log) and the k3 estimator of KL(served ||
+    reference) in nats; empty without an extend."""
+    served = row.get("extend_logprobs")
+    if served is None or len(served) == 0:
+        return []
+    served = np.asarray(served, dtype=np.float64)
+    ref = np.asarray(row["extend_reference_logprobs"], dtype=np.float64)
+    k3 = token_kl(served, ref)["k3"]
+    recorded = row.get("extend_ids")  # runs recorded before the ids were kept have none
+    ids = ([int(i) for i in recorded] if recorded is not None and len(recorded) == len(served)
+           else [None] * len(served))
+    texts = token_texts(model_path, ids) if None not in ids else None
+    return [{"position": i, "id": tid, "text": texts[i] if texts else None,
+             "logprob": float(served[i]), "reference_logprob": float(ref[i]),
+             "k3": float(k3[i]), "colour": colour(float(k3[i]))} for i, tid in enumerate(ids)]
 
 
 def top_candidates(row: dict[str, Any], position: int, model_path: str | None

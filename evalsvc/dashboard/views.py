@@ -24,7 +24,7 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy.orm import Session
 
 from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
-from evalsvc.dashboard.samples import read_sample, sample_tokens, top_candidates
+from evalsvc.dashboard.samples import extend_tokens, read_sample, sample_tokens, top_candidates
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Regression, Run
@@ -542,7 +542,7 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
                      position: Annotated[int | None, Query(ge=0, le=1_000_000)] = None
                      ) -> HTMLResponse:
     """One sample: its generated tokens coloured by per-token KL, the first divergent token
-    marked, and both sides' logprobs at a chosen position."""
+    marked, both sides' logprobs at a chosen position, and its extend's tokens."""
     run = queries.run_detail(session, run_id)
     if run is None:
         return problem(request, 404, f"no run {run_id}")
@@ -559,8 +559,10 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
     if row is None:
         return problem(request, 404, f"run {run_id}: the token-level record of sample "
                                      f"{sample_id!r} is not here ({path or 'no samples file'})")
+    model_path = (run["requested_args"] or {}).get("model_path")
     try:
-        tokens = sample_tokens(row, (run["requested_args"] or {}).get("model_path"))
+        tokens = sample_tokens(row, model_path)
+        extend = extend_tokens(row, model_path)
     except ValueError as exc:
         return problem(request, 422, f"sample {sample_id!r}: its logprobs are not usable ({exc})")
     first = sample.first_divergence
@@ -569,8 +571,8 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
     if tokens and position >= len(tokens):
         return problem(request, 422, f"position {position}: the sample has {len(tokens)} tokens")
     chart = {"k3": [finite(t["k3"]) for t in tokens], "first": first, "position": position}
-    top = top_candidates(row, position, (run["requested_args"] or {}).get("model_path"))
+    top = top_candidates(row, position, model_path)
     return page(request, "sample.html", title=f"Sample {sample_id}", run=run, sample=sample,
                 tokens=tokens, first=first, position=position,
                 at=tokens[position] if tokens else None, chart=chart, top=top,
-                decoded=any(t["text"] is not None for t in tokens))
+                decoded=any(t["text"] is not None for t in tokens), extend=extend)

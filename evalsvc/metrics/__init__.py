@@ -10,9 +10,11 @@ from evalsvc.metrics.acceptance import (
     vllm_mean_acceptance_length,
 )
 from evalsvc.metrics.kl import (
+    PositionKL,
     SampleKL,
     bit_exact_fraction,
     first_divergence,
+    kl_by_position,
     same_top_token,
     token_kl,
     token_kl_by_sample,
@@ -30,10 +32,12 @@ from evalsvc.metrics.stats import (
 )
 
 __all__ = [
+    "PositionKL",
     "SampleKL",
     "bit_exact_fraction",
     "bootstrap_mean_ci",
     "first_divergence",
+    "kl_by_position",
     "paired_difference_ci",
     "paired_difference_cis",
     "per_position_acceptance",

@@ -12,7 +12,8 @@ All logprobs are natural logs, so every divergence returned here is in **nats**.
 Plus exact-match diagnostics: ``same_top_token``, ``first_divergence``, ``bit_exact_fraction``.
 
 ``token_kl_by_sample`` is ``token_kl`` of many samples at once (a scenario's), in one pass over all
-their tokens, with per-sample means and maxima equal to those of each sample's own arrays.
+their tokens, with per-sample means and maxima equal to those of each sample's own arrays;
+``kl_by_position`` sums their per-token k3 by position (where along an extend a KL sits).
 """
 
 from __future__ import annotations
@@ -140,6 +141,30 @@ def token_kl_by_sample(decode: Sequence[Sequence[float] | np.ndarray],
     for d, r in zip(decode, reference, strict=True):  # raises the first sample's error
         token_kl(d, r)
     raise AssertionError("unreachable: a sample the pooled path refused passes token_kl")
+
+
+@dataclass
+class PositionKL:
+    """Per-token k3 along the extend, by position over a scenario's samples: position 0 is each
+    sample's first token after its cached prefix. ``sums`` and ``counts``: shape
+    ``(longest extend,)``, the k3 (nats) summed over the samples whose extend reaches that
+    position, and how many do; ``lengths``: the samples' extend lengths, ``(n_samples,)``."""
+
+    sums: np.ndarray
+    counts: np.ndarray
+    lengths: np.ndarray
+
+
+def kl_by_position(k3: np.ndarray, lengths: np.ndarray) -> PositionKL:
+    """``PositionKL`` of samples whose per-token k3 are concatenated in ``k3`` (as
+    ``SampleKL.k3``), ``lengths[s]`` tokens each."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = np.arange(int(lengths.sum()), dtype=np.int64) - starts
+    size = int(lengths.max()) if lengths.size else 0
+    return PositionKL(np.bincount(positions, weights=np.asarray(k3, dtype=np.float64),
+                                  minlength=size),
+                      np.bincount(positions, minlength=size), lengths)
 
 
 def _by_blocks(decode: Sequence[Sequence[float] | np.ndarray],

@@ -134,6 +134,20 @@ def write_samples_parquet(result: RunResult, path: Path) -> Path | None:
     return path
 
 
+def read_extends(path: str | Path, scenario: str) -> tuple[list[Any], list[Any]] | None:
+    """A scenario's extends from a run's Parquet file (``write_samples_parquet``): both sides'
+    logprobs per sample, in file order; None when the file is not here or predates them."""
+    import pandas as pd
+    import pyarrow as pa
+
+    columns = ["extend_logprobs", "extend_reference_logprobs"]
+    try:
+        df = pd.read_parquet(path, columns=columns, filters=[("scenario", "==", scenario)])
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+    return list(df[columns[0]]), list(df[columns[1]])
+
+
 def record_run(session: Session, job: Job, build: Build, matrix: str, result: RunResult,
                samples_path: Path | None) -> Run:
     run = session.scalar(select(Run).where(Run.job_id == job.id, Run.build_id == build.id,

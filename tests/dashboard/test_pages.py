@@ -280,6 +280,36 @@ def test_sample_page_marks_the_first_divergence(client, store_dir):
     assert client.get(f"/runs/{rid}/samples/b").status_code == 422  # in two scenarios
 
 
+def test_sample_page_lists_the_extend_tokens_coloured_by_kl(tmp_path):
+    result = run_result(MAMBA, {"prefill_hit": CLEAN}, sample_ids=["a", "b", "c"])
+    row = result.scenarios[0].samples[1]
+    served = [-0.5, -1.25, -2.0, -0.75]
+    reference = [-3.5, -1.25, -2.0, -0.75 - 1e-7]  # position 0 far off
+    row.update(extend_ids=[301, 302, 303, 304], extend_logprobs=served,
+               extend_reference_logprobs=reference, extend_tokens=4,
+               extend_kl_k3_mean=0.5, extend_kl_k3_max=2.05)
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        record(store, tmp_path / "results", "job-ext", build_ref("ddd444"), [result])
+    finally:
+        store.close()
+    with make_client(tmp_path) as c:
+        rid = run_id(c, "job-ext", MAMBA)
+        html = c.get(f"/runs/{rid}/samples/b", params={"scenario": "prefill_hit"}).text
+        assert '<a href="#extend">extend tokens</a>' in html
+        start = html.index('id="extend-tokens"')
+        table = html[start:html.index("</table>", start)]
+        rows = re.findall(r'<tr data-position="(\d+)">(.*?)</tr>', table, re.S)
+        assert [int(p) for p, _ in rows] == [0, 1, 2, 3]
+        first, last = rows[0][1], rows[3][1]
+        assert "<code>[301]</code>" in first and "<td>-0.5</td><td>-3.5</td>" in first
+        assert re.search(r'class="k3" style="background: hsl\(0, 70%, 65%\)">2\.05<', first)
+        assert "[304]" in last and 'hsl(0, 70%' not in last  # a low k3 is not red
+        # a sample without an extend has no such section
+        other = c.get(f"/runs/{rid}/samples/a", params={"scenario": "prefill_hit"}).text
+        assert 'id="extend-tokens"' not in other and "extend tokens" not in other
+
+
 def regression_ids(client: TestClient) -> dict[tuple[str, str], int]:
     return {(r["config"], r["scenario"]): r["id"] for r in client.get("/api/v1/regressions").json()}
 

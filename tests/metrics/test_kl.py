@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from evalsvc.metrics import bit_exact_fraction, first_divergence, same_top_token, token_kl, topk_kl
+from evalsvc.metrics import (
+    bit_exact_fraction,
+    first_divergence,
+    kl_by_position,
+    same_top_token,
+    token_kl,
+    topk_kl,
+)
 
 
 def _random_dist(rng: np.random.Generator, v: int, alpha: float = 1.0) -> np.ndarray:
@@ -256,3 +263,21 @@ def test_bit_exact_fraction() -> None:
         bit_exact_fraction(a, b[:3])
     with pytest.raises(ValueError, match="empty"):
         bit_exact_fraction([], [])
+
+
+# --- kl_by_position -------------------------------------------------------------------------------
+
+
+def test_kl_by_position_sums_each_position_over_the_samples_that_reach_it() -> None:
+    # samples of 3, 0, 1 and 2 tokens, concatenated
+    k3 = np.array([1.0, 2.0, 3.0, 10.0, 20.0, 40.0])
+    out = kl_by_position(k3, np.array([3, 0, 1, 2]))
+    assert out.sums.tolist() == [31.0, 42.0, 3.0]
+    assert out.counts.tolist() == [3, 2, 1]
+    assert out.lengths.tolist() == [3, 0, 1, 2]
+
+
+def test_kl_by_position_of_no_tokens_is_empty() -> None:
+    for lengths in ([], [0, 0]):
+        out = kl_by_position(np.zeros(0), np.array(lengths, dtype=np.int64))
+        assert out.sums.size == out.counts.size == 0

@@ -3,6 +3,8 @@ the alerts they make (one per job and kind)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from sqlalchemy import select
 
@@ -159,3 +161,39 @@ def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path
         run_row = s.get(Run, worse)
         assert run_row.verdict == "fail" and run_row.reason.startswith("pooled: prefill_hit, branching")
         assert s.scalars(select(Regression.scenario)).all() == ["pooled"]
+
+
+def test_a_run_judged_from_the_store_says_where_its_extend_fails(store, tmp_path):
+    """The extend's verdict is judged again from the store: its reason names the positions, read
+    from the run's Parquet file; without the file it keeps the plain reason."""
+    result = run_result("mamba2-eb-ov-c64", {"prefill_hit": [1e-13] * 4})
+    [scen] = result.scenarios
+    for i, row in enumerate(scen.samples):
+        n = 48 - 8 * i  # extends of 48, 40, 32, 24 tokens
+        served = [-1.0] * n
+        reference = [-1.0 - 1e-6] * n
+        reference[0] = -4.0  # position 0 only, as a kernel that drops the conv state does
+        row.update(extend_ids=list(range(100, 100 + n)), extend_logprobs=served,
+                   extend_reference_logprobs=reference, extend_tokens=n,
+                   extend_kl_k3_mean=0.1, extend_kl_k3_max=2.05)
+    scen.metrics["extend_kl_k3_mean"] = 0.1
+    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded"}
+    [run_id] = record_results(store, job_id="ext", trigger="api", spec=spec,
+                              build=build_ref("e1"), matrix="smoke", results=[result],
+                              results_dir=tmp_path)
+
+    def judged() -> Verdict:
+        with store.session() as s:
+            judge_run(s, run_id)
+            v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
+                                                Verdict.metric == "extend_kl_k3_mean")).one()
+            s.expunge(v)
+            return v
+
+    v = judged()
+    assert (v.verdict, v.method) == ("regression", "threshold")
+    assert v.reason == ("extend KL (k3) 0.1 above the limit 1e-08 (k3 2.05 at extend position 0 "
+                        "of 24-48; positions 1+ at 5e-13)")
+    with store.session() as s:
+        Path(s.get(Run, run_id).samples_path).unlink()
+    assert judged().reason == "extend KL (k3) 0.1 above the limit 1e-08"

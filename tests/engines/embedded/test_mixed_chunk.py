@@ -206,3 +206,4 @@ def test_mixed_hit_scenario_hits_prefixes_prefilled_beside_decode_steps(server):
         assert max(abs(a - b) for a, b in zip(s.completion.logprobs, s.reference, strict=True)) < TOL
         assert s.extend and max(abs(a - b) for a, b in zip(s.extend, s.extend_reference,
                                                             strict=True)) < TOL
+        assert s.extend_ids == s.prompt_ids[len(s.prompt_ids) - len(s.extend):]
