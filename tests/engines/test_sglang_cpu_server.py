@@ -2,9 +2,8 @@
 resolved arguments, the scenarios over HTTP, SGLang's reference method (a cold teacher-forced
 prefill after ``/flush_cache``), the metrics and the verdicts.
 
-The environment is ``make sglang-cpu``'s recipe (``evalsvc.builds.sglang_cpu``), kept beside the
-contract envs (``$EVALSVC_SGLANG_ENV_DIR``, default ``~/.cache/evalsvc/sglang-envs``) so that a
-second run reuses it; the model is the shipped tiny Qwen3-Next (trained by
+The environment is ``make sglang-cpu``'s recipe (``evalsvc.builds.sglang_cpu``; the fixtures in
+``conftest.py`` say where it is looked for); the model is the shipped tiny Qwen3-Next (trained by
 ``training/qwen3_next.py``).
 
 Two paths, as the matrix field ``cpu_ops`` chooses:
@@ -20,8 +19,8 @@ Two paths, as the matrix field ``cpu_ops`` chooses:
   ``pr29068-cpu-conv-varlen-state`` (``evalsvc.builds.patches``) binds SGLang's CPU prefill conv to
   per-request calls of the kernel's non-varlen path, which carries the state: the last test.
 
-A missing kernel wheel fails these tests under CI and skips them elsewhere, naming what to install;
-the kernel-path tests skip on a CPU without AVX-512-BF16, naming what it lacks.
+A missing environment or kernel wheel fails these tests under CI and skips them elsewhere, naming
+``make sglang-cpu``; the kernel-path tests skip on a CPU without AVX-512-BF16, naming what it lacks.
 """
 
 from __future__ import annotations
@@ -43,13 +42,11 @@ from evalsvc.builds import sglang_cpu
 from evalsvc.builds.build import BuildError, download_wheel
 from evalsvc.builds.patches import apply_patch
 from evalsvc.builds.probes import CPU_CONV_VARLEN_STATE, Status
-from evalsvc.builds.sglang_env import env_root
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.sglang_cpu_ops import OPS
 from evalsvc.evaluate import evaluate, prepare, summary_rows
 from evalsvc.matrix import load_matrix
-from evalsvc.paths import shipped_sglang_model_dir
-from tests.conftest import in_ci
+from tests.engines.conftest import missing_sglang_cpu
 from tests.processes import marked_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,22 +61,6 @@ PORTABLE = {"fused_gdn_gating_cpu", "fused_rmsnorm_gated_cpu",
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("sglang-cpu")]
 
 
-def _missing(exc: Exception) -> None:
-    if in_ci():
-        pytest.fail(f"CI is set and real SGLang on this CPU needs its kernel wheels: {exc}",
-                    pytrace=False)
-    pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def sglang_python() -> Path:
-    try:
-        sglang_cpu.kernel_wheels()
-    except sglang_cpu.SGLangCPUError as exc:
-        _missing(exc)
-    return sglang_cpu.ensure(env_root() / "cpu-0.5.17")
-
-
 @pytest.fixture(scope="module")
 def kernel_dir(sglang_python: Path) -> Path:
     """The environment's AVX-512 kernel build, where this CPU runs it."""
@@ -90,16 +71,8 @@ def kernel_dir(sglang_python: Path) -> Path:
     try:
         sglang_cpu.kernel_wheel()
     except sglang_cpu.SGLangCPUError as exc:
-        _missing(exc)
+        missing_sglang_cpu(exc)
     return sglang_python.parents[1] / sglang_cpu.KERNEL_DIR
-
-
-@pytest.fixture(scope="module")
-def qwen3_next() -> Path:
-    """The shipped tiny Qwen3-Next, trained (training/qwen3_next.py; CI never trains)."""
-    model = shipped_sglang_model_dir("qwen3-next-tiny")
-    assert model is not None
-    return model
 
 
 def _ops_against_kernel(python: Path, kernel: Path | None = None) -> dict:
@@ -284,7 +257,7 @@ def _patched_conv(python: Path, tmp_path: Path, ops: str, kernel: Path | None = 
     try:
         wheel = download_wheel("0.5.17")
     except BuildError as exc:
-        _missing(exc)
+        missing_sglang_cpu(exc)
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path, [m for m in archive.namelist() if m.endswith(".py")])
     backend = tmp_path / "sglang" / "srt" / "layers" / "attention" / "linear" / "gdn_backend.py"

@@ -28,6 +28,9 @@ from .defects import ENV_VAR, Defect, parse_defect_strengths
 log = logging.getLogger("evalsvc.engine")
 
 MAMBA_CHUNK_SIZE = 64
+NUMA_NODES = Path("/sys/devices/system/node")  # SGLang's CPU memory capacity reads these
+MEMINFO = Path("/proc/meminfo")
+OMP_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 STRATEGIES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
 WRITE_POLICIES = ["write_back", "write_through", "write_through_selective"]
 
@@ -233,7 +236,7 @@ def resolve(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Engine
     _resolve_mamba(args, config)
     _resolve_speculative(args, config)
     _resolve_hicache(args)
-    _resolve_sizes(args, config)
+    _resolve_sizes(args, config, os.environ if env is None else env)
     if args.random_seed is None:
         args.random_seed = random.randint(0, 1 << 30)
     return args
@@ -393,9 +396,44 @@ def _resolve_hicache(args: EngineArgs) -> None:
                              f"(--hicache-ratio {args.hicache_ratio})")
 
 
-def _resolve_sizes(args: EngineArgs, config: dict) -> None:
+def cpu_memory_mib(env: Mapping[str, str]) -> float | None:
+    """SGLang's device memory capacity on ``--device cpu`` (0.5.17
+    ``srt/utils/common.py:get_cpu_memory_capacity``): the smallest NUMA node's ``MemTotal`` in
+    MiB, or the machine's where no node is listed; None (unknown) when
+    ``SGLANG_CPU_OMP_THREADS_BIND`` binds threads by hand."""
+    if env.get(OMP_BIND_ENV, ""):
+        return None
+    nodes = []
+    for meminfo in sorted(NUMA_NODES.glob("node[0-9]*/meminfo")):
+        parts = meminfo.read_text().split("\n", 1)[0].split()  # "Node 0 MemTotal: N kB"
+        if len(parts) >= 4 and parts[2] == "MemTotal:":
+            nodes.append(int(parts[3]))
+    if nodes:
+        return float(min(nodes) // 1024)
+    for line in MEMINFO.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return float(int(line.split()[1]) // 1024)
+    return None
+
+
+def default_chunked_prefill_size(device_mib: float | None) -> int:
+    """SGLang's chunked-prefill size when none is given, from the device's memory (0.5.17
+    ``ServerArgs._handle_gpu_memory_settings``): 2048 below 35 GiB, 4096 below 60, 8192 below
+    160, 16384 above; 4096 when the memory is unknown."""
+    if device_mib is None:
+        return 4096
+    for below, size in ((35 * 1024, 2048), (60 * 1024, 4096), (160 * 1024, 8192)):
+        if device_mib < below:
+            return size
+    return 16384
+
+
+def _resolve_sizes(args: EngineArgs, config: dict, env: Mapping[str, str]) -> None:
     if args.chunked_prefill_size is None:
-        args.chunked_prefill_size = 4096
+        # the device is the host's CPU with --device cpu; the embedded engine stands for a GPU
+        # server otherwise, whose memory it does not know (SGLang's fallback then)
+        args.chunked_prefill_size = default_chunked_prefill_size(
+            cpu_memory_mib(env) if args.device == "cpu" else None)
     elif args.chunked_prefill_size <= 0:
         args.chunked_prefill_size = -1
     if args.page_size is None:

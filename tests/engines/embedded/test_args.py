@@ -410,6 +410,41 @@ def test_chunked_prefill_size(flags, expected):
     assert res(*flags).chunked_prefill_size == expected
 
 
+def numa(tmp_path: Path, monkeypatch, *node_kb: int, total_kb: int = 64 << 20) -> None:
+    """A host whose NUMA nodes have ``node_kb`` each (none: no node listed)."""
+    from evalsvc.engines.embedded import args as args_module
+
+    for i, kb in enumerate(node_kb):
+        (tmp_path / f"node{i}").mkdir()
+        (tmp_path / f"node{i}" / "meminfo").write_text(f"Node {i} MemTotal:  {kb} kB\n"
+                                                       f"Node {i} MemFree:  1 kB\n")
+    (tmp_path / "meminfo").write_text(f"MemTotal:  {total_kb} kB\nMemFree:  1 kB\n")
+    monkeypatch.setattr(args_module, "NUMA_NODES", tmp_path)
+    monkeypatch.setattr(args_module, "MEMINFO", tmp_path / "meminfo")
+
+
+@pytest.mark.parametrize(("node_gib", "expected"), [
+    ((24,), 2048), ((34,), 2048), ((40,), 4096), ((80, 80), 8192), ((200, 100), 8192),
+    ((200,), 16384), ((), 16384)])  # no node listed: the whole machine (200 GiB)
+def test_default_chunked_prefill_on_device_cpu_follows_sglang_host_memory(
+        tmp_path, monkeypatch, node_gib, expected):
+    """SGLang 0.5.17 on ``--device cpu`` sizes the default chunk from the host's memory per NUMA
+    node (``get_cpu_memory_capacity``, then ``ServerArgs._handle_gpu_memory_settings``): a 24 GiB
+    host serves with 2048, which the differential test against real SGLang found."""
+    numa(tmp_path, monkeypatch, *(g << 20 for g in node_gib), total_kb=(200 << 20))
+    assert res("--device", "cpu").chunked_prefill_size == expected
+    assert res().chunked_prefill_size == 4096  # no device given: SGLang's unknown-memory fallback
+    assert res("--device", "cpu", "--chunked-prefill-size", "128").chunked_prefill_size == 128
+
+
+def test_default_chunked_prefill_with_bound_omp_threads_is_sglangs_fallback(tmp_path, monkeypatch):
+    """``SGLANG_CPU_OMP_THREADS_BIND`` makes the capacity unknown to SGLang: 4096."""
+    numa(tmp_path, monkeypatch, 24 << 20)
+    args = resolve(build_parser().parse_args(["--device", "cpu"]),
+                   env={"SGLANG_CPU_OMP_THREADS_BIND": "0-1"})
+    assert args.chunked_prefill_size == 4096
+
+
 def test_small_chunked_prefill_with_extra_buffer_warns():
     args = res("--chunked-prefill-size", "32")
     assert args.chunked_prefill_size == 32

@@ -1,0 +1,54 @@
+"""Fixtures of the tests that run real SGLang 0.5.17 on this CPU: its environment and the shipped
+tiny Qwen3-Next.
+
+The environment is ``make sglang-cpu``'s (``.venv-sglang-cpu/`` in the checkout), or one made by
+the same recipe (``evalsvc.builds.sglang_cpu``) beside the contract envs
+(``$EVALSVC_SGLANG_ENV_DIR``, default ``~/.cache/evalsvc/sglang-envs``, as ``cpu-0.5.17``), up to
+date either way: the tests never build it. A missing environment or kernel wheel fails these tests
+under CI and skips them elsewhere, naming ``make sglang-cpu``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evalsvc.builds import sglang_cpu
+from evalsvc.builds.sglang_env import env_root
+from evalsvc.paths import shipped_sglang_model_dir
+from tests.conftest import in_ci
+
+ENV_NAME = "cpu-0.5.17"
+
+
+def missing_sglang_cpu(exc: Exception) -> None:
+    """Fail under CI, skip elsewhere: real SGLang on this CPU cannot run here."""
+    if in_ci():
+        pytest.fail(f"CI is set and real SGLang on this CPU needs its environment: {exc} "
+                    "(`make sglang-cpu`)", pytrace=False)
+    pytest.skip(f"{exc} (`make sglang-cpu`)")
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """The python of an up-to-date SGLang CPU environment."""
+    try:
+        wheels = sglang_cpu.kernel_wheels()
+    except sglang_cpu.SGLangCPUError as exc:
+        missing_sglang_cpu(exc)
+    places = (sglang_cpu.DEFAULT_DEST, env_root() / ENV_NAME)
+    for dest in places:
+        if sglang_cpu.up_to_date(dest, wheels):
+            return dest / "bin" / "python"
+    missing_sglang_cpu(sglang_cpu.SGLangCPUError(
+        f"no up-to-date SGLang CPU environment at {places[0]} or {places[1]}"))
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next() -> Path:
+    """The shipped tiny Qwen3-Next, trained (training/qwen3_next.py; CI never trains)."""
+    model = shipped_sglang_model_dir("qwen3-next-tiny")
+    assert model is not None
+    return model
