@@ -1,11 +1,11 @@
 """Fixtures of the tests that run real SGLang 0.5.17 on this CPU: its environment and the shipped
 tiny Qwen3-Next.
 
-The environment is ``make sglang-cpu``'s (``.venv-sglang-cpu/`` in the checkout), or one made by
-the same recipe (``evalsvc.builds.sglang_cpu``) beside the contract envs
-(``$EVALSVC_SGLANG_ENV_DIR``, default ``~/.cache/evalsvc/sglang-envs``, as ``cpu-0.5.17``), up to
-date either way: the tests never build it. A missing environment or kernel wheel fails these tests
-under CI and skips them elsewhere, naming ``make sglang-cpu``.
+The environment is ``make sglang-cpu``'s (``.venv-sglang-cpu/`` in the checkout) when it is up to
+date, else the one beside the contract envs (``$EVALSVC_SGLANG_ENV_DIR``, default
+``~/.cache/evalsvc/sglang-envs``), made there by the same recipe (``evalsvc.builds.sglang_cpu``)
+when missing, so that a second run reuses it. A missing kernel wheel fails these tests under CI
+and skips them elsewhere, naming what to do.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ ENV_NAME = "cpu-0.5.17"
 def missing_sglang_cpu(exc: Exception) -> None:
     """Fail under CI, skip elsewhere: real SGLang on this CPU cannot run here."""
     if in_ci():
-        pytest.fail(f"CI is set and real SGLang on this CPU needs its environment: {exc} "
-                    "(`make sglang-cpu`)", pytrace=False)
-    pytest.skip(f"{exc} (`make sglang-cpu`)")
+        pytest.fail(f"CI is set and real SGLang on this CPU needs its kernel wheels: {exc}",
+                    pytrace=False)
+    pytest.skip(f"{exc} (then `make sglang-cpu`)")
 
 
 @pytest.fixture(scope="session")
@@ -37,13 +37,10 @@ def sglang_python() -> Path:
         wheels = sglang_cpu.kernel_wheels()
     except sglang_cpu.SGLangCPUError as exc:
         missing_sglang_cpu(exc)
-    places = (sglang_cpu.DEFAULT_DEST, env_root() / ENV_NAME)
-    for dest in places:
+    for dest in (sglang_cpu.DEFAULT_DEST, env_root() / ENV_NAME):
         if sglang_cpu.up_to_date(dest, wheels):
             return dest / "bin" / "python"
-    missing_sglang_cpu(sglang_cpu.SGLangCPUError(
-        f"no up-to-date SGLang CPU environment at {places[0]} or {places[1]}"))
-    raise AssertionError("unreachable")
+    return sglang_cpu.ensure(env_root() / ENV_NAME)
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,8 @@ Two paths, as the matrix field ``cpu_ops`` chooses:
   ``pr29068-cpu-conv-varlen-state`` (``evalsvc.builds.patches``) binds SGLang's CPU prefill conv to
   per-request calls of the kernel's non-varlen path, which carries the state: the last test.
 
-A missing environment or kernel wheel fails these tests under CI and skips them elsewhere, naming
-``make sglang-cpu``; the kernel-path tests skip on a CPU without AVX-512-BF16, naming what it lacks.
+A missing kernel wheel fails these tests under CI and skips them elsewhere, naming what to install;
+the kernel-path tests skip on a CPU without AVX-512-BF16, naming what it lacks.
 """
 
 from __future__ import annotations
