@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from benchmarks.client import response_body
@@ -208,3 +211,47 @@ def test_run_async_hands_back_the_result_without_formatting_it():
 
     with pytest.raises(ScenarioError, match="no answer"):
         run_async(fails())
+
+
+def _closing_server(drops: int) -> tuple[socket.socket, list[int], threading.Thread]:
+    """A server that reads each request and, for the first ``drops`` connections, closes without
+    an answer (as an idle keep-alive connection is closed while a request goes out on it); after
+    that it answers each ``/flush_cache`` with a 200."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                connections.append(1)
+                conn.recv(65536)
+                if len(connections) <= drops:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    continue  # closed with the request unread: a reset
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, connections, thread
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_connection_closed_under_a_request_is_retried_once(drops: int) -> None:
+    """A request on a connection the server closes unanswered goes once more on a new one;
+    a second close is the caller's error (not a retry loop)."""
+    listener, connections, _ = _closing_server(drops)
+    client = EngineClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=5.0)
+    try:
+        if drops == 1:
+            client.flush()
+        else:
+            with pytest.raises(httpx.TransportError):
+                client.flush()
+        assert len(connections) == 2
+    finally:
+        client.close()
+        listener.close()

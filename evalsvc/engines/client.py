@@ -114,7 +114,13 @@ class EngineClient:
 
     def _send(self, method: str, path: str, seconds: float, **kw) -> httpx.Response:
         try:
-            resp = self.http.request(method, path, timeout=seconds, **kw)
+            try:
+                resp = self.http.request(method, path, timeout=seconds, **kw)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # a kept-alive connection the server closed as the request went out (its idle
+                # timer fired first, e.g. after the engine was paused): the request never ran,
+                # so it goes once more on a new connection (an engine that died refuses that)
+                resp = self.http.request(method, path, timeout=seconds, **kw)
         except httpx.TimeoutException:
             raise self._timeout(path, seconds) from None
         self.last_answer = time.monotonic()

@@ -312,7 +312,9 @@ def normalize(body: GenerateReqIn, vocab_size: int,
         raise RequestError("text/input_ids: an empty batch")
     if body.input_ids is not None:
         ids = body.input_ids if batch else [body.input_ids]
-        if not ids or isinstance(ids[0], int) or len(ids) != n:
+        if (not ids or len(ids) != n
+                or not all(isinstance(seq, list) and all(isinstance(t, int) for t in seq)
+                           for seq in ids)):
             raise RequestError(f"input_ids: expected {n} lists of token ids to match text")
     else:
         texts = body.text if batch else [body.text]

@@ -107,6 +107,8 @@ HOSTILE = {
     "input_ids_strings": ({"input_ids": ["1"], "sampling_params": OK}, ["input_ids"]),
     "input_ids_empty": ({"input_ids": [], "sampling_params": OK}, ["input_ids"]),
     "input_ids_ragged": ({"input_ids": [[1, 2], 3], "sampling_params": OK}, ["input_ids"]),
+    "text_with_a_batch_of_input_ids": ({"text": "hi", "input_ids": [[]], "sampling_params": OK},
+                                       ["input_ids"]),
     "text_empty": ({"text": "", "sampling_params": OK}, ["text"]),
     "text_not_string": ({"text": 5, "sampling_params": OK}, ["text"]),
     "text_lone_surrogate": ('{"text": "a\\ud800b", "sampling_params": {"max_new_tokens": 2}}',
