@@ -63,7 +63,8 @@ def test_smoke_job_end_to_end(service_factory, db_url):
     assert [h["commit"] for h in history] == [ref] and history[0]["value"] < 1e-8
     by_fp = service.client.get("/api/v1/history", params={
         "fingerprint": history[0]["fingerprint"], "metric": "hit_coverage"}).json()
-    assert {h["scenario"] for h in by_fp} == {"cold", "prefill_hit", "decode_hit", "branching"}
+    assert {h["scenario"] for h in by_fp} == {"cold", "prefill_hit", "decode_hit", "branching",
+                                              "chunked_hit"}
 
     compare = service.client.get("/api/v1/compare", params={"baseline": ref,
                                                              "contender": ref}).json()

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from evalsvc.store.db import Store
 from evalsvc.store.models import Build, Run, Sample
 from evalsvc.tokenization import load_tokenizer
-from tests.dashboard.conftest import CONFIGS, DEFECT
+from tests.dashboard.conftest import CONFIGS, DEFECT, FAILING
 
 # one worker under pytest-xdist (--dist loadgroup): one job fills the store, and the first test
 # watches it run
@@ -56,9 +56,8 @@ def test_overview_shows_latest_verdicts_trends_and_the_regression(tab, dashboard
         assert ["line", 1e-8] in c["shapes"]  # the pass band ends at the smoke threshold
         traces = {t["name"]: t["y"] for t in c["traces"]}
         assert max(traces["prefill_hit"]) < 1e-8 < min(traces[f"prefill_hit [{DEFECT}]"])
-        # the regression markers: prefill_hit and branching of the defect build, nothing else
-        assert sorted(traces["fail"]) == sorted(traces[f"prefill_hit [{DEFECT}]"]
-                                                + traces[f"branching [{DEFECT}]"])
+        # the regression markers: the failing scenarios of the defect build, nothing else
+        assert sorted(traces["fail"]) == sorted(y for s in FAILING for y in traces[f"{s} [{DEFECT}]"])
 
     page = tab.open("/?scenario=prefill_hit&model=gdn")
     assert page.locator("table.latest tbody tr").count() == 1
@@ -78,10 +77,11 @@ def test_compare_lists_the_regressions_first(tab, dashboard):
     assert page.locator("#permalink").inner_text() == page.url
     rows = page.locator("table.compare tbody tr")
     verdicts = [rows.nth(i).get_attribute("data-verdict") for i in range(rows.count())]
-    assert verdicts == ["regression"] * 4 + ["pass"] * 4, verdicts
+    n = len(CONFIGS) * len(FAILING)
+    assert verdicts == ["regression"] * n + ["pass"] * 4, verdicts  # cold and decode_hit pass
     regressed = {(rows.nth(i).get_attribute("data-config"), rows.nth(i).get_attribute("data-scenario"))
-                 for i in range(4)}
-    assert regressed == {(c, s) for c in CONFIGS for s in ("prefill_hit", "branching")}
+                 for i in range(n)}
+    assert regressed == {(c, s) for c in CONFIGS for s in FAILING}
     first = rows.nth(0)
     assert float(first.locator(".delta").inner_text()) > 1e-6
 
@@ -148,7 +148,8 @@ def test_job_page_shows_the_matrix_resolved_arguments_and_builds(tab, dashboard)
         cells[key] = rows.nth(i).locator('[data-scenario="prefill_hit"] .badge').inner_text()
     assert cells == {(c, defect): "fail" if defect else "pass" for c in CONFIGS
                      for defect in (False, True)}
-    assert page.locator("table.matrix td.cell", has_text="KL").count() == 4 * 4
+    # every run's every scenario: cold, prefill_hit, decode_hit, branching, chunked_hit
+    assert page.locator("table.matrix td.cell", has_text="KL").count() == 4 * 5
 
     builds = page.locator("section.build")
     assert builds.count() == 2
@@ -185,17 +186,18 @@ def test_regressions_page_links_each_regression_to_its_run(tab, dashboard):
     whose verdicts show the regression."""
     job = dashboard.wait()
     page = tab.open("/")
-    assert page.locator(".open-regressions").inner_text() == "8 open regressions, 8 untriaged"
+    n = len(CONFIGS) * len(FAILING) * 2
+    assert page.locator(".open-regressions").inner_text() == f"{n} open regressions, {n} untriaged"
     page.click(".open-regressions a")
     page.wait_for_load_state("networkidle")
     assert page.url.endswith("/regressions")
     rows = page.locator("table.regressions tr.regression")
-    assert rows.count() == 8
+    assert rows.count() == n
     found = {tuple(rows.nth(i).get_attribute(f"data-{a}") for a in ("config", "scenario", "metric"))
-             for i in range(8)}
-    assert found == {(c, s, m) for c in CONFIGS for s in ("prefill_hit", "branching")
+             for i in range(n)}
+    assert found == {(c, s, m) for c in CONFIGS for s in FAILING
                      for m in ("kl_k3_mean", "extend_kl_k3_mean")}
-    assert rows.locator(".triage").all_inner_texts() == ["untriaged"] * 8
+    assert rows.locator(".triage").all_inner_texts() == ["untriaged"] * n
     assert page.locator("#triage-curl").inner_text().startswith(
         f"curl -X PATCH {dashboard.url}/api/v1/regressions/")
 
