@@ -223,7 +223,7 @@ def test_a_build_of_the_release_starts_and_serves_with_and_without_a_defect_patc
     and the scenario is scored. With the defect patch, the manifest says the patch is in and the
     server that runs it is the build's (its log names the build's files)."""
     matrix = yaml.safe_load((ROOT / "configs" / "sglang-cpu.yaml").read_text())
-    matrix.update(name="sglang-cpu-build", scenarios=["cold", "prefill_hit"])
+    matrix.update(name="sglang-cpu-build", scenarios=["cold", "chunked_hit"])
     matrix["workload"]["num_prompts"] = 4
     file = tmp_path / "sglang-cpu-build.yaml"
     file.write_text(yaml.safe_dump(matrix))
@@ -234,13 +234,19 @@ def test_a_build_of_the_release_starts_and_serves_with_and_without_a_defect_patc
     for patch in patches:
         argv += ["--patch", patch]
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1500)
-    # exit 1: a verdict failed (the defect can act here: a hit's prefill split into 128-token chunks)
-    assert out.returncode in (0 if not patches else 1, 0), out.stdout[-3000:] + out.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert {r["scenario"] for r in rows} == {"cold", "prefill_hit"}
-    assert all(r["verdict"] in ("pass", "fail") for r in rows), rows  # served and scored
+    # exit 1: a verdict failed (the defect acts here: each hit's prefill split into 128-token chunks)
+    assert out.returncode == (1 if patches else 0), out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["scenario"]: r for r in json.loads((tmp_path / "out" / "summary.json").read_text())}
+    assert set(rows) == {"cold", "chunked_hit"}
+    assert rows["cold"]["verdict"] == "pass", rows  # cold requests have no copy-on-write to lose
     if not patches:
-        assert all(r["verdict"] == "pass" for r in rows), rows
+        assert rows["chunked_hit"]["verdict"] == "pass", rows
+        assert "acted" not in (rows["chunked_hit"]["reason"] or "")
+    else:  # it failed where the patch dropped every measured request's copy-on-write, named
+        assert rows["chunked_hit"]["verdict"] == "fail", rows
+        assert ("defect:deferred-ops-dropped acted on 4 of 4 measured requests (chunked_hit-0, "
+                "chunked_hit-1, chunked_hit-2, chunked_hit-3)") in rows["chunked_hit"]["reason"]
+    rows = list(rows.values())
     assert all(r["kl_k3_mean"] is not None for r in rows), rows
     [manifest] = (tmp_path / "data" / "builds").glob("*/manifest.json")
     built = json.loads(manifest.read_text())
