@@ -3,6 +3,7 @@ by evalsvc's verdicts and by SGLang's own method.
 
     .venv/bin/python benchmarks/detection.py false-alarms [--matrix smoke-bf16] [--seeds 20]
         [--num-prompts 48] [--configs NAME,...] [--same-seed] [--store PATH]
+        [--engine-python PY [--model DIR]]                   # an SGLang matrix (sglang-cpu)
     .venv/bin/python benchmarks/detection.py strength [--matrix smoke-bf16] [--sizes 48]
         [--strengths 1,0.25,0.1,0.05,0.02,0.01] [--store PATH]
     .venv/bin/python benchmarks/detection.py rejudge --store PATH    # judge recorded runs again
@@ -18,7 +19,11 @@ tracked. With ``--same-seed`` every evaluation uses the matrix's own sampling se
 series does (the runs then differ by the engine's own batching noise); without it each takes
 another seed (1000, 1001, ...). One engine per config serves all the evaluations
 (``harness.EnginePool``: every scenario starts from a flushed cache). Reports the regression
-verdicts and regressions opened (the target is none) and the verdicts by method.
+verdicts and regressions opened (the target is none), the verdicts by method, and the clean floor
+the same runs measure: per config and scenario, the scenario means of the KL (k3) of the generated
+tokens and of the extend over the evaluations. An SGLang matrix (``sglang-cpu``) runs on real
+SGLang: ``--engine-python`` names the environment's python (``make sglang-cpu``), ``--model`` a
+checkpoint other than the matrix's.
 
 strength: per sample count (``--sizes``: prompts per scenario), three clean evaluations form the
 baseline (the matrix's seed, as a series would have them); then a clean contender (strength 0: the
@@ -114,23 +119,31 @@ def acting_configs(defect: str) -> list[str]:
 def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | None, *,
                       seed: int | None, num_prompts: int, label: str, day: int, work: Path,
                       defects: str | None = None, track: bool = False,
-                      engines: EnginePool | None = None) -> list[int]:
-    """Evaluate configs of a matrix once on the embedded engine, record the runs as one more
-    commit (``label``, ``day`` days after START) of the series and judge them. ``seed``: the
-    sampling seed (None: the matrix's own); ``engines``: engines kept from the evaluations before."""
+                      engines: EnginePool | None = None, engine_python: str | None = None,
+                      model: str | None = None) -> list[int]:
+    """Evaluate configs of a matrix once, record the runs as one more commit (``label``, ``day``
+    days after START) of the series and judge them. ``seed``: the sampling seed (None: the
+    matrix's own); ``engines``: engines kept from the evaluations before. The embedded engine, or
+    for an SGLang matrix real SGLang from ``engine_python`` (``model``: another checkpoint)."""
     matrix = matrix.model_copy(deep=True)
     matrix.workload.num_prompts = num_prompts
     matrix.workload.sampling_seed = seed
-    spec = EngineSpec(kind="embedded", env={"EVALSVC_ENGINE_DEFECTS": defects} if defects else {})
-    cfgs, prompts = prepare(matrix, spec)
+    if matrix.engine == "sglang":
+        if not engine_python:
+            raise SystemExit(f"matrix {matrix.name} runs on SGLang: pass --engine-python")
+        spec = EngineSpec(kind="sglang", python=engine_python, startup_timeout=300)
+    else:
+        spec = EngineSpec(kind="embedded",
+                          env={"EVALSVC_ENGINE_DEFECTS": defects} if defects else {})
+    cfgs, prompts = prepare(matrix, spec, model_override=model)
     if configs:
         cfgs = [c for c in cfgs if c.name in configs]
     record = JobRecord.start(
         store, work / "results", f"{label}-{seed}", "cli",
-        BuildRef("bench/embedded", version=label, committed_at=START + timedelta(days=day)),
+        BuildRef(f"bench/{spec.kind}", version=label, committed_at=START + timedelta(days=day)),
         matrix.name, cfgs, spec={"matrix_name": matrix.name,
                                  "matrix": matrix.model_dump(mode="json"),
-                                 "engine": "embedded", "track": track})
+                                 "engine": spec.kind, "track": track})
     try:
         evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True), engines=engines,
                  on_result=record.record)
@@ -161,9 +174,30 @@ def verdict_counts(store: Store) -> dict[str, Any]:
             "inconclusive": [list(r) for r in inconclusive]}
 
 
+def scenario_floor(store: Store) -> list[dict[str, Any]]:
+    """Per config and scenario, the scenario means of the runs recorded: the KL (k3) of the
+    generated tokens and of the extend, their mean and range over the evaluations."""
+    with store.session() as s:
+        rows = s.execute(select(Run.config, Metric.scenario, Metric.name, Metric.value)
+                         .join(Run, Run.id == Metric.run_id)
+                         .where(Metric.name.in_(("kl_k3_mean", "extend_kl_k3_mean")),
+                                Metric.value.is_not(None))).all()
+    values: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for config, scenario, name, value in rows:
+        values.setdefault((config, scenario), {}).setdefault(name, []).append(value)
+    out = []
+    for (config, scenario), metrics in sorted(values.items()):
+        row: dict[str, Any] = {"config": config, "scenario": scenario}
+        for name, v in sorted(metrics.items()):
+            row[name] = {"n": len(v), "mean": sum(v) / len(v), "min": min(v), "max": max(v)}
+        out.append(row)
+    return out
+
+
 def false_alarms(store: Store, work: Path, seeds: int, num_prompts: int,
                  configs: list[str] | None, progress=print, matrix: str = "smoke",
-                 same_seed: bool = False) -> dict[str, Any]:
+                 same_seed: bool = False, engine_python: str | None = None,
+                 model: str | None = None) -> dict[str, Any]:
     m = load_matrix(matrix)
     t0 = time.monotonic()
     # one engine per config serves every evaluation (each scenario starts from a flushed cache)
@@ -171,10 +205,12 @@ def false_alarms(store: Store, work: Path, seeds: int, num_prompts: int,
         for i in range(seeds):
             evaluate_recorded(store, m, configs, seed=None if same_seed else 1000 + i,
                               num_prompts=num_prompts, label=f"clean-{i:02d}", day=i, work=work,
-                              track=True, engines=engines)
+                              track=True, engines=engines, engine_python=engine_python,
+                              model=model)
             progress(f"evaluation {i + 1}/{seeds}: {time.monotonic() - t0:.0f} s")
     return {"matrix": matrix, "seeds": seeds, "same_seed": same_seed, "num_prompts": num_prompts,
-            **verdict_counts(store), "seconds": round(time.monotonic() - t0, 1)}
+            **verdict_counts(store), "floor": scenario_floor(store),
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def judged(store: Store, run_ids: list[int]) -> list[dict[str, Any]]:
@@ -320,6 +356,8 @@ def main() -> None:
     fa.add_argument("--num-prompts", type=int, default=48)
     fa.add_argument("--configs", default="", help="comma-separated (default: the whole matrix)")
     fa.add_argument("--same-seed", action="store_true")
+    fa.add_argument("--engine-python", default=None, help="an SGLang matrix: its python")
+    fa.add_argument("--model", default=None, help="an SGLang matrix: another checkpoint")
     st = sub.add_parser("strength")
     st.add_argument("--matrix", default="smoke-bf16")
     st.add_argument("--sizes", default="48")
@@ -338,7 +376,8 @@ def main() -> None:
             if args.what == "false-alarms":
                 out = false_alarms(store, work, args.seeds, args.num_prompts,
                                    [c for c in args.configs.split(",") if c] or None,
-                                   matrix=args.matrix, same_seed=args.same_seed)
+                                   matrix=args.matrix, same_seed=args.same_seed,
+                                   engine_python=args.engine_python, model=args.model)
                 name = f"false-alarms-{args.matrix}"
             elif args.what == "strength":
                 out = strength(store, work, [int(x) for x in args.sizes.split(",")],
