@@ -66,8 +66,9 @@ lint-docker: $(STAMP)
 	$(BIN)/hadolint --failure-threshold style docker/Dockerfile.service docker/Dockerfile.worker
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 
-# real SGLang 0.5.17 on this CPU (needs AVX-512 with BF16, and the kernel wheel of ../shared/sglang-cpu
-# or EVALSVC_SGLANG_CPU_KERNEL); refuses at once, naming what is missing, on other machines
+# real SGLang 0.5.17 on this CPU, any x86-64 (the reference ops; the kernel path where AVX-512-BF16
+# exists), from the kernel wheels of ../shared/sglang-cpu or EVALSVC_SGLANG_CPU_KERNEL; refuses at
+# once, naming what is missing, where they are not
 sglang-cpu: $(STAMP)
 	$(BIN)/python -m evalsvc.builds.sglang_cpu --dest .venv-sglang-cpu
 
