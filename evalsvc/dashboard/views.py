@@ -169,7 +169,8 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
                        model: Text = None, scenario: Text = None, branch: Text = None,
                        metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean",
                        commits: Annotated[int, Query(ge=2, le=100)] = 100) -> HTMLResponse:
-    """Latest verdict per config, and per-config trends over the newest commits."""
+    """Latest verdict per config and build (patch set), and per-config trends over the newest
+    commits."""
     matrix, model, scenario, branch = map(_blank, (matrix, model, scenario, branch))
     if metric not in TREND_METRICS:
         return problem(request, 422, f"metric {metric!r}: one of {', '.join(TREND_METRICS)}")

@@ -43,8 +43,12 @@ def test_jobs_page_follows_the_running_job_until_it_is_done(tab, dashboard):
 def test_overview_shows_latest_verdicts_trends_and_the_regression(tab, dashboard):
     dashboard.wait()
     page = tab.open("/")
-    for config in CONFIGS:  # the newest run of each config is the defect build's
-        row = page.locator(f'table.latest tr[data-config="{config}"]')
+    for config in CONFIGS:  # a row per build: the clean one passes, the defect build fails
+        assert page.locator(f'table.latest tr[data-config="{config}"]').count() == 2
+        clean = page.locator(f'table.latest tr[data-config="{config}"][data-patch-set=""]')
+        assert clean.locator("td").nth(2).inner_text() == "-"
+        assert clean.locator('[data-scenario="prefill_hit"]').inner_text() == "pass"
+        row = page.locator(f'table.latest tr[data-config="{config}"][data-patch-set="{DEFECT}"]')
         assert row.locator("td").nth(2).inner_text() == DEFECT
         assert row.locator('[data-scenario="prefill_hit"]').inner_text() == "fail"
         assert row.locator('[data-scenario="cold"]').inner_text() == "pass"
@@ -60,7 +64,7 @@ def test_overview_shows_latest_verdicts_trends_and_the_regression(tab, dashboard
         assert sorted(traces["fail"]) == sorted(y for s in FAILING for y in traces[f"{s} [{DEFECT}]"])
 
     page = tab.open("/?scenario=prefill_hit&model=gdn")
-    assert page.locator("table.latest tbody tr").count() == 1
+    assert page.locator("table.latest tbody tr").count() == 2  # clean and defect builds
     assert page.locator("table.latest thead th").all_inner_texts()[-1] == "prefill_hit"
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 1")
     (chart,) = page.evaluate(TREND_CHARTS)

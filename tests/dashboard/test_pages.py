@@ -165,8 +165,16 @@ def test_overview_shows_latest_verdicts_and_trends(client):
     resp = client.get("/")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/html")
     html = resp.text
-    # mamba2's newest run is the patched build's (recorded last on the newest commit): a pass
-    assert re.search(rf'data-config="{MAMBA}">.*?pr-fix.*?v-pass', html, re.S)
+    # one row per config and patch set: mamba2's unpatched build fails on the newest commit, and
+    # its patched build (recorded last) passes there; neither hides the other
+    rows = re.findall(r'<tr data-config="([^"]+)" data-patch-set="([^"]*)">', html)
+    assert rows == [(GDN, ""), (MAMBA, ""), (MAMBA, "pr-fix")]
+    unpatched = html[html.index(f'data-config="{MAMBA}" data-patch-set=""'):]
+    unpatched = unpatched[:unpatched.index("</tr>")]
+    patched = html[html.index(f'data-config="{MAMBA}" data-patch-set="pr-fix"'):]
+    patched = patched[:patched.index("</tr>")]
+    assert "ccc333" in unpatched and 'data-scenario="prefill_hit"><span class="badge v-fail"' in unpatched
+    assert "ccc333" in patched and 'data-scenario="prefill_hit"><span class="badge v-pass"' in patched
     data = page_data(html)
     assert [c[1] for c in data["commits"]] == ["aaa111", "bbb222", "ccc333", "rel444"]
     charts = {c["config"]: c for c in data["charts"]}
