@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import extend_tokens, read_sample, sample_tokens, top_candidates
+from evalsvc.judging import LABELS, METRICS
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Regression, Run
@@ -308,9 +309,68 @@ def log_tail(path: str | None) -> str | None:
     return text
 
 
+# what a matrix cell shows of each metric that can decide a scenario's verdict: label and meaning
+CELL_METRICS = {
+    "kl_k3_mean": ("KL", "mean KL (k3) of the generated tokens, nats, with its bootstrap interval"),
+    "extend_kl_k3_mean": ("extend KL", "mean KL (k3) of the extend (the prompt tokens prefilled on "
+                                       "the cached prefix) against the cold reference, nats, with "
+                                       "its bootstrap interval"),
+    "hit_coverage": ("hit", "share of samples that hit the cache"),
+    "accept_length": ("accept", "acceptance length"),
+}
+# what a scenario's reason says, for the metric it names (the reasons ``judging`` writes)
+REASON_METRICS = {**{label: metric for metric, label in LABELS.items()},
+                  "hit coverage": "hit_coverage", "speculative counters": "accept_length"}
+
+
+def reason_metric(reason: str | None) -> str | None:
+    """The metric a verdict's reason names first (``judging``'s wording); None if none."""
+    found = [(reason.index(text), metric) for text, metric in REASON_METRICS.items()
+             if reason and text in reason]
+    return min(found)[1] if found else None
+
+
+def deciding_verdict(verdict: str | None, reason: str | None, judged: list[dict[str, Any]]
+                     ) -> tuple[str | None, dict[str, Any] | None]:
+    """The metric that decided a scenario's verdict, and its stored verdict (``judged``: the
+    scenario's metric verdicts, ``queries.verdict_dict``) where there is one. A fail is decided by
+    the first of its metrics, in the order ``judging`` takes them, that regressed (the generated
+    tokens' KL, the extend's KL, acceptance), or else by the metric its reason names; an
+    inconclusive scenario by its hit coverage; a pass (or an error) by none."""
+    if verdict == "fail":
+        regressed = {v["metric"]: v for v in judged if v["verdict"] == "regression"}
+        for metric in METRICS:
+            if metric in regressed:
+                return metric, regressed[metric]
+        return reason_metric(reason), None
+    if verdict == "inconclusive":
+        coverage = next((v for v in judged if v["method"] == "coverage"), None)
+        metric = "hit_coverage" if coverage is not None else reason_metric(reason)
+        return metric, coverage
+    return None, None
+
+
+def cell_lines(metrics: dict[str, dict[str, Any]], decided: str | None) -> list[dict[str, Any]]:
+    """A matrix cell's figures: the deciding metric first (``decided``), then the generated
+    tokens' KL, hit coverage and acceptance length where they were measured."""
+    shown = [decided] if decided in CELL_METRICS else []
+    shown += [m for m in ("kl_k3_mean", "hit_coverage", "accept_length")
+              if m != decided and (m != "accept_length" or
+                                   metrics.get(m, {}).get("value") is not None)]
+    lines = []
+    for name in shown:
+        label, title = CELL_METRICS[name]
+        value = metrics.get(name, {})
+        lines.append({"metric": name, "label": label, "title": title,
+                      "value": value.get("value"), "ci_low": value.get("ci_low"),
+                      "ci_high": value.get("ci_high"), "decided": name == decided})
+    return lines
+
+
 def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Configs (x builds) by scenarios: per cell the run, verdict, KL mean with interval, hit
-    coverage and acceptance length."""
+    """Configs (x builds) by scenarios: per cell the run, verdict (its reason on hover), the
+    metric that decided it (``deciding_verdict``: the extend's KL where that failed), then the
+    generated tokens' KL mean with its interval, hit coverage and acceptance length."""
     labels = {(b["commit"], b["patch_set"]): b["label"] for b in builds}
     scenarios = [s for s in SCENARIOS if any(sc["scenario"] == s for r in runs
                                              for sc in r["scenarios"])]
@@ -318,13 +378,10 @@ def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> di
     for r in runs:
         cells = {}
         for sc in r["scenarios"]:
-            m = sc["metrics"]
-            kl = m.get("kl_k3_mean", {})
-            cells[sc["scenario"]] = {
-                "verdict": sc["verdict"], "reason": sc["reason"], "kl": kl.get("value"),
-                "ci_low": kl.get("ci_low"), "ci_high": kl.get("ci_high"),
-                "hit_coverage": m.get("hit_coverage", {}).get("value"),
-                "accept_length": m.get("accept_length", {}).get("value")}
+            judged = [v for v in r["verdicts"] if v["scenario"] == sc["scenario"]]
+            decided, _ = deciding_verdict(sc["verdict"], sc["reason"], judged)
+            cells[sc["scenario"]] = {"verdict": sc["verdict"], "reason": sc["reason"],
+                                     "decided": decided, "lines": cell_lines(sc["metrics"], decided)}
         rows.append({"run": r, "build": labels[(r["commit"], r["patch_set"])], "cells": cells})
     return {"scenarios": scenarios, "rows": rows}
 

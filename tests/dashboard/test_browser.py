@@ -154,6 +154,14 @@ def test_job_page_shows_the_matrix_resolved_arguments_and_builds(tab, dashboard)
                      for defect in (False, True)}
     # every run's every scenario: cold, prefill_hit, decode_hit, branching, chunked_hit
     assert page.locator("table.matrix td.cell", has_text="KL").count() == 4 * 5
+    # the failing cells show the metric that failed first, with the verdict's reason on hover
+    decided = page.locator("table.matrix td.cell[data-decided] .decided")
+    assert decided.count() == len(CONFIGS) * len(FAILING)
+    for i in range(decided.count()):
+        line = decided.nth(i)
+        assert line.get_attribute("data-metric") == "kl_k3_mean"  # before the extend's
+        assert line.inner_text().startswith("KL ")
+        assert "mean KL (k3)" in line.get_attribute("title")
 
     builds = page.locator("section.build")
     assert builds.count() == 2

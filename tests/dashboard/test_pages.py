@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from evalsvc.app import create_app
-from evalsvc.dashboard.views import bisection_view, compare_verdict
+from evalsvc.dashboard.views import bisection_view, compare_verdict, deciding_verdict
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Regression, Run, Verdict
@@ -316,6 +316,106 @@ def test_sample_page_lists_the_extend_tokens_coloured_by_kl(tmp_path):
         # a sample without an extend has no such section
         other = c.get(f"/runs/{rid}/samples/a", params={"scenario": "prefill_hit"}).text
         assert 'id="extend-tokens"' not in other and "extend tokens" not in other
+
+
+EXTEND_WHY = ("extend KL (k3) 0.0032 above the limit 0.0005 (k3 0.19 at extend position 0 of "
+              "40; positions 1+ at 1e-05)")
+DEFECT = "defect:deferred-ops-dropped"
+
+
+def with_extend(config: str, extend: float, fail: bool):
+    """A run whose prefill_hit has an extend of mean KL ``extend``; ``fail``: its verdict is a
+    fail on the extend's KL (the generated tokens' KL clean), as real SGLang's defect build's."""
+    r = results(config, "mamba2" if config == MAMBA else "gdn", CLEAN)
+    sc = next(sc for sc in r.scenarios if sc.scenario == "prefill_hit")
+    sc.metrics.update(extend_kl_k3_mean=extend, extend_kl_k3_ci_low=extend * 0.7,
+                      extend_kl_k3_ci_high=extend * 1.4, extend_kl_k3_n_samples=3)
+    if fail:
+        sc.verdict, sc.reason = "fail", EXTEND_WHY
+        r.verdict, r.reason = "fail", f"prefill_hit: {EXTEND_WHY}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def extend_client(tmp_path_factory) -> Iterator[TestClient]:
+    """One commit, clean and with a defect patch that fails prefill_hit on the extend's KL only:
+    mamba2's run with its metric verdicts stored (as ``verdicts.judge_run`` writes them), gdn's
+    with its scenario verdict alone."""
+    tmp = tmp_path_factory.mktemp("extend")
+    store = Store(f"sqlite:///{tmp / 'store.db'}")
+    try:
+        record(store, tmp / "results", "job-ext-clean", build_ref("eee555"),
+               [with_extend(MAMBA, 2e-5, False), with_extend(GDN, 2e-5, False)])
+        record(store, tmp / "results", "job-ext-defect", build_ref("eee555", patches=[DEFECT]),
+               [with_extend(MAMBA, 3.2e-3, True), with_extend(GDN, 3.2e-3, True)])
+        with store.session() as s:
+            bad = s.scalar(select(Run.id).where(Run.job_id == "job-ext-defect",
+                                                Run.config == MAMBA))
+            s.add_all([
+                Verdict(run_id=bad, scenario="prefill_hit", metric="kl_k3_mean", verdict="pass",
+                        method="threshold", value=1.5e-13, threshold=5e-3),
+                Verdict(run_id=bad, scenario="prefill_hit", metric="extend_kl_k3_mean",
+                        verdict="regression", method="threshold", value=3.2e-3, threshold=5e-4,
+                        reason=EXTEND_WHY)])
+    finally:
+        store.close()
+    with make_client(tmp) as c:
+        yield c
+
+
+def cell(html: str, run: int, scenario: str) -> str:
+    """A job page's matrix cell: run ``run``, scenario ``scenario``."""
+    at = html.index(f'<tr data-run="{run}">')
+    at = html.index(f'data-scenario="{scenario}"', at)
+    return html[html.rindex("<td", 0, at):html.index("</td>", at)]
+
+
+def test_a_matrix_cell_shows_the_metric_that_decided_its_verdict(extend_client):
+    html = extend_client.get("/jobs/job-ext-defect").text
+    why = html_lib.escape(EXTEND_WHY)
+    for config in (MAMBA, GDN):  # with its metric verdicts stored, and from its reason alone
+        c = cell(html, run_id(extend_client, "job-ext-defect", config), "prefill_hit")
+        assert c.startswith('<td class="cell" data-scenario="prefill_hit" '
+                            'data-decided="extend_kl_k3_mean">')
+        lines = re.findall(r'<div class="([a-z ]+)" data-metric="([a-z0-9_]+)" title="([^"]*)">'
+                           r'(.*?)</div>', c, re.S)
+        # the extend's KL first, labelled, with the verdict's reason on hover
+        assert [(cls, metric) for cls, metric, _, _ in lines] == [
+            ("metric decided", "extend_kl_k3_mean"), ("metric", "kl_k3_mean"),
+            ("metric", "hit_coverage")]
+        _, _, title, text = lines[0]
+        assert title == why
+        assert re.fullmatch(r'extend KL 0\.0032 <span class="ci">\[0\.0022, 0\.0045\]</span>',
+                            text.strip()), text
+        assert lines[1][3].startswith("KL 1.5e-13") and "generated tokens" in lines[1][2]
+        assert f'<span class="badge v-fail" title="{why}">fail</span>' in c
+        # the scenario that passed shows the generated tokens' KL first, as before
+        cold = cell(html, run_id(extend_client, "job-ext-defect", config), "cold")
+        assert "data-decided" not in cold and "extend KL" not in cold
+        assert re.search(r'<div class="metric" data-metric="kl_k3_mean"[^>]*>KL ', cold)
+    clean = extend_client.get("/jobs/job-ext-clean").text
+    c = cell(clean, run_id(extend_client, "job-ext-clean", MAMBA), "prefill_hit")
+    assert "data-decided" not in c and "extend KL" not in c and "v-pass" in c
+
+
+@pytest.mark.parametrize(("verdict", "reason", "judged", "decided"), [
+    ("pass", "", [], None), ("error", "engine died", [], None),
+    ("fail", "mean KL (k3) 0.05 above the limit 1e-08", [], "kl_k3_mean"),
+    ("fail", "not bit-exact under deterministic inference: extend KL (k3) 3e-07, 100.0% of "
+             "tokens exact", [], "extend_kl_k3_mean"),
+    ("fail", "accept length 1.200 below the floor 2.000", [], "accept_length"),
+    ("fail", "no speculative counters in the responses", [], "accept_length"),
+    ("inconclusive", "hit coverage 0.00 below 0.50: the cache path was not exercised", [],
+     "hit_coverage"),
+    # the stored verdicts decide, in judging's order: the generated tokens' KL before the extend's
+    ("fail", "x", [{"metric": "extend_kl_k3_mean", "verdict": "regression", "method": "history"},
+                   {"metric": "kl_k3_mean", "verdict": "regression", "method": "threshold"}],
+     "kl_k3_mean"),
+    ("fail", "x", [{"metric": "kl_k3_mean", "verdict": "pass", "method": "threshold"},
+                   {"metric": "accept_length", "verdict": "regression", "method": "history"}],
+     "accept_length")])
+def test_deciding_verdict(verdict, reason, judged, decided):
+    assert deciding_verdict(verdict, reason, judged)[0] == decided
 
 
 def regression_ids(client: TestClient) -> dict[tuple[str, str], int]:
