@@ -600,7 +600,8 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
                      position: Annotated[int | None, Query(ge=0, le=1_000_000)] = None
                      ) -> HTMLResponse:
     """One sample: its generated tokens coloured by per-token KL, the first divergent token
-    marked, both sides' logprobs at a chosen position, and its extend's tokens."""
+    marked, the per-token KL of its extend beside that of its generated tokens, both sides'
+    logprobs at a chosen position, and its extend's tokens."""
     run = queries.run_detail(session, run_id)
     if run is None:
         return problem(request, 404, f"no run {run_id}")
@@ -628,7 +629,8 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
         position = first if first is not None else 0
     if tokens and position >= len(tokens):
         return problem(request, 422, f"position {position}: the sample has {len(tokens)} tokens")
-    chart = {"k3": [finite(t["k3"]) for t in tokens], "first": first, "position": position}
+    chart = {"k3": [finite(t["k3"]) for t in tokens], "first": first, "position": position,
+             "extend_k3": [finite(t["k3"]) for t in extend]}
     top = top_candidates(row, position, model_path)
     return page(request, "sample.html", title=f"Sample {sample_id}", run=run, sample=sample,
                 tokens=tokens, first=first, position=position,

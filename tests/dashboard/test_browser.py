@@ -123,6 +123,10 @@ def test_drilldown_marks_the_first_divergent_token(tab, dashboard):
     assert page.locator(".tokens .token").count() == 24  # max_new_tokens of the smoke workload
     page.wait_for_selector("#token-chart.js-plotly-plot")
     assert page.locator("#token-chart svg path").count() > 0
+    # the extend's per-token KL beside the generated tokens', one bar per token of each
+    traces = page.evaluate("document.getElementById('token-chart').data.map(t => [t.name, t.x.length])")
+    extend = page.locator("#extend-tokens tbody tr").count()
+    assert extend > 0 and traces == [["extend", extend], ["generated", 24]]
     assert page.locator("h2", has_text="At position").inner_text() == f"At position {first}"
 
     # both sides' top-k at that position, most likely first, the generated token among them

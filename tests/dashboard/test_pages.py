@@ -307,15 +307,22 @@ def test_sample_page_lists_the_extend_tokens_coloured_by_kl(tmp_path):
         assert '<a href="#extend">extend tokens</a>' in html
         start = html.index('id="extend-tokens"')
         table = html[start:html.index("</table>", start)]
-        rows = re.findall(r'<tr data-position="(\d+)">(.*?)</tr>', table, re.S)
+        rows = re.findall(r'<tr id="extend-\d+" data-position="(\d+)">(.*?)</tr>', table, re.S)
         assert [int(p) for p, _ in rows] == [0, 1, 2, 3]
         first, last = rows[0][1], rows[3][1]
         assert "<code>[301]</code>" in first and "<td>-0.5</td><td>-3.5</td>" in first
         assert re.search(r'class="k3" style="background: hsl\(0, 70%, 65%\)">2\.05<', first)
         assert "[304]" in last and 'hsl(0, 70%' not in last  # a low k3 is not red
+        # the chart draws the extend's per-token KL beside the generated tokens'
+        data = page_data(html)
+        assert len(data["extend_k3"]) == 4 and len(data["k3"]) == 4
+        assert data["extend_k3"][0] == pytest.approx(2.05, rel=1e-2)
+        assert data["extend_k3"][1:3] == [0.0, 0.0] and 0 < data["extend_k3"][3] < 1e-12
+        assert 'id="token-chart-note"' in html
         # a sample without an extend has no such section
         other = c.get(f"/runs/{rid}/samples/a", params={"scenario": "prefill_hit"}).text
         assert 'id="extend-tokens"' not in other and "extend tokens" not in other
+        assert page_data(other)["extend_k3"] == [] and 'id="token-chart-note"' not in other
 
 
 EXTEND_WHY = ("extend KL (k3) 0.0032 above the limit 0.0005 (k3 0.19 at extend position 0 of "
