@@ -451,13 +451,47 @@ def compare_verdict(baseline: str | None, contender: str | None) -> str:
     return "regression" if contender == "fail" else "improvement"
 
 
+def compare_decision(row: dict[str, Any], results: dict[tuple[int, str], tuple[str, str | None]],
+                     judged: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    """The test that decided a comparison row's verdict, with its figures. ``source``: ``paired``
+    (the two builds' runs compared sample by sample, ``compare_builds``: a regression the runs' own
+    verdicts do not show, or, for a pass, the test that found none), ``contender`` or ``baseline``
+    (that run's own verdict of the scenario: a fail or an inconclusive decides), or ``both`` (a
+    pass with no paired test of the metric). ``verdict``: the deciding metric verdict
+    (``queries.verdict_dict``'s keys; None where none was stored: then ``reason`` says why),
+    ``metric`` and ``scenario_verdict``. ``results`` and ``judged``: the runs' scenario verdicts
+    with their reasons and their metric verdicts, by (run id, scenario)."""
+    paired, verdict = row["paired"], row["verdict"]
+    own = compare_verdict(row["baseline_verdict"], row["contender_verdict"])
+    tested = paired is not None and paired["method"] == "history"
+    if (verdict == "regression" and own != "regression") or (verdict == "pass" and tested):
+        return {"source": "paired", "metric": paired["metric"], "verdict": paired,
+                "reason": paired["reason"], "scenario_verdict": None}
+    if verdict == "pass":  # no paired test: of a metric without one, or too few samples
+        why = paired and (paired["evidence"].get("history") or paired["reason"])
+        return {"source": "both", "metric": None, "verdict": None, "scenario_verdict": "pass",
+                "reason": f"no paired test of {row['metric']}" + (f": {why}" if why else "")}
+    side = "baseline" if verdict == "improvement" or (
+        verdict == "inconclusive" and row["contender_verdict"] in ("pass", "fail")) else "contender"
+    run = row[f"{side}_run"]
+    scenario_verdict, reason = results.get((run, row["scenario"]), (None, None))
+    metric, decided = deciding_verdict(scenario_verdict, reason,
+                                       judged.get((run, row["scenario"]), []))
+    if scenario_verdict is None:
+        reason = f"the {side} run has no verdict of {row['scenario']}"
+    return {"source": side, "metric": metric, "verdict": decided,
+            "reason": reason or (decided or {}).get("reason"), "scenario_verdict": scenario_verdict}
+
+
 @router.get("/compare")
 def read_compare_page(request: Request, session: SessionDep, baseline: Text = None,
                       contender: Text = None,
                       baseline_patches: Annotated[str, Query(max_length=500)] = "",
                       contender_patches: Annotated[str, Query(max_length=500)] = "",
                       metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean") -> HTMLResponse:
-    """Baseline vs contender per config and scenario, regressions first."""
+    """Baseline vs contender per config and scenario, regressions first: each row's verdict with
+    the test that decided it (``compare_decision``), and the chosen metric's values, delta and
+    bootstrap interval labelled as figures for reading."""
     form = {"baseline": baseline or "", "contender": contender or "",
             "baseline_patches": baseline_patches, "contender_patches": contender_patches,
             "metric": metric}
@@ -472,14 +506,16 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
             return problem(request, 404, f"{name}: no build of {ref!r} with patch set {patches!r}")
         builds[name] = build.id
     rows = compare_builds(session, builds["baseline"], builds["contender"], metric=metric)
-    verdicts = queries.scenario_verdicts_of(
-        session, [r["baseline_run"] for r in rows] + [r["contender_run"] for r in rows])
+    run_ids = [r["baseline_run"] for r in rows] + [r["contender_run"] for r in rows]
+    results = queries.scenario_results_of(session, run_ids)
+    judged = queries.metric_verdicts_of(session, run_ids)
     for r in rows:
-        r["baseline_verdict"] = verdicts.get((r["baseline_run"], r["scenario"]))
-        r["contender_verdict"] = verdicts.get((r["contender_run"], r["scenario"]))
+        r["baseline_verdict"] = results.get((r["baseline_run"], r["scenario"]), (None,))[0]
+        r["contender_verdict"] = results.get((r["contender_run"], r["scenario"]), (None,))[0]
         r["verdict"] = compare_verdict(r["baseline_verdict"], r["contender_verdict"])
         if r["paired_verdict"] == "regression" and r["verdict"] in ("pass", "improvement"):
             r["verdict"] = "regression"  # both pass their limits, yet the same prompts got worse
+        r["decision"] = compare_decision({**r, "metric": metric}, results, judged)
     rows.sort(key=lambda r: (COMPARE_ORDER.index(r["verdict"]), -(r["delta"] or 0.0),
                              r["config"], r["scenario"]))
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COMPARE_ORDER}

@@ -539,8 +539,26 @@ def commit_summaries(session: Session, *, branch: str | None = None, limit: int 
 
 def scenario_verdicts_of(session: Session, run_ids: list[int]) -> dict[tuple[int, str], str]:
     """Scenario verdicts of many runs, by (run id, scenario)."""
+    return {key: verdict for key, (verdict, _) in scenario_results_of(session, run_ids).items()}
+
+
+def scenario_results_of(session: Session, run_ids: list[int]
+                        ) -> dict[tuple[int, str], tuple[str, str | None]]:
+    """Scenario verdicts of many runs with their reasons, by (run id, scenario)."""
     if not run_ids:
         return {}
-    return {(r, s): v for r, s, v in session.execute(
-        select(ScenarioRow.run_id, ScenarioRow.scenario, ScenarioRow.verdict)
+    return {(r, s): (v, why) for r, s, v, why in session.execute(
+        select(ScenarioRow.run_id, ScenarioRow.scenario, ScenarioRow.verdict, ScenarioRow.reason)
         .where(ScenarioRow.run_id.in_(run_ids)))}
+
+
+def metric_verdicts_of(session: Session, run_ids: list[int]
+                       ) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """The metric verdicts (``verdict_dict``) of many runs, by (run id, scenario), in the order
+    they were judged."""
+    out: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    if run_ids:
+        for v in session.scalars(select(Verdict).where(Verdict.run_id.in_(run_ids))
+                                 .order_by(Verdict.id)):
+            out.setdefault((v.run_id, v.scenario), []).append(verdict_dict(v))
+    return out

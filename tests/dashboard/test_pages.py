@@ -20,7 +20,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from evalsvc.app import create_app
-from evalsvc.dashboard.views import bisection_view, compare_verdict, deciding_verdict
+from evalsvc.dashboard.views import (
+    bisection_view,
+    compare_decision,
+    compare_verdict,
+    deciding_verdict,
+)
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Regression, Run, Verdict
@@ -234,6 +239,12 @@ def test_compare_lists_regressions_first_with_a_permalink(client):
     permalink = html_lib.unescape(re.search(r'id="permalink" href="([^"]+)"', html).group(1))
     assert permalink.startswith("http://testserver/compare?")
     assert dict(parse_qsl(urlsplit(permalink).query)) == params
+    # the regression was decided by the contender's own verdict: its history test's interval
+    r = html[html.index(f'data-config="{MAMBA}" data-scenario="prefill_hit"'):]
+    r = r[:r.index("</tr>")]
+    assert re.search(r'<td class="decision" data-source="contender" data-metric="kl_k3_mean" '
+                     r'data-method="history"', r)
+    assert '<div class="interval">interval [0.0412, 0.0588] at 95%</div>' in r
     fixed = client.get("/compare", params={**params, "baseline": params["contender"],
                                            "contender_patches": "pr-fix"}).text
     assert re.findall(r'data-verdict="([^"]+)"', fixed) == ["improvement", "pass"]
@@ -330,10 +341,12 @@ EXTEND_WHY = ("extend KL (k3) 0.0032 above the limit 0.0005 (k3 0.19 at extend p
 DEFECT = "defect:deferred-ops-dropped"
 
 
-def with_extend(config: str, extend: float, fail: bool):
+def with_extend(config: str, extend: float, fail: bool, cold: list[float] = CLEAN):
     """A run whose prefill_hit has an extend of mean KL ``extend``; ``fail``: its verdict is a
-    fail on the extend's KL (the generated tokens' KL clean), as real SGLang's defect build's."""
-    r = results(config, "mamba2" if config == MAMBA else "gdn", CLEAN)
+    fail on the extend's KL (the generated tokens' KL clean), as real SGLang's defect build's.
+    ``cold``: the per-sample KL of its cold scenario."""
+    r = run_result(config, {"cold": cold, "prefill_hit": CLEAN}, sample_ids=["a", "b", "c"])
+    r.model = "mamba2" if config == MAMBA else "gdn"
     sc = next(sc for sc in r.scenarios if sc.scenario == "prefill_hit")
     sc.metrics.update(extend_kl_k3_mean=extend, extend_kl_k3_ci_low=extend * 0.7,
                       extend_kl_k3_ci_high=extend * 1.4, extend_kl_k3_n_samples=3)
@@ -347,14 +360,16 @@ def with_extend(config: str, extend: float, fail: bool):
 def extend_client(tmp_path_factory) -> Iterator[TestClient]:
     """One commit, clean and with a defect patch that fails prefill_hit on the extend's KL only:
     mamba2's run with its metric verdicts stored (as ``verdicts.judge_run`` writes them), gdn's
-    with its scenario verdict alone."""
+    with its scenario verdict alone. The defect build's mamba2 also has its cold KL a billion
+    times the clean one's, far within the limit: a regression only the paired test sees."""
     tmp = tmp_path_factory.mktemp("extend")
     store = Store(f"sqlite:///{tmp / 'store.db'}")
     try:
         record(store, tmp / "results", "job-ext-clean", build_ref("eee555"),
                [with_extend(MAMBA, 2e-5, False), with_extend(GDN, 2e-5, False)])
         record(store, tmp / "results", "job-ext-defect", build_ref("eee555", patches=[DEFECT]),
-               [with_extend(MAMBA, 3.2e-3, True), with_extend(GDN, 3.2e-3, True)])
+               [with_extend(MAMBA, 3.2e-3, True, cold=[1e-4, 2e-4, 1.5e-4]),
+                with_extend(GDN, 3.2e-3, True)])
         with store.session() as s:
             bad = s.scalar(select(Run.id).where(Run.job_id == "job-ext-defect",
                                                 Run.config == MAMBA))
@@ -403,6 +418,78 @@ def test_a_matrix_cell_shows_the_metric_that_decided_its_verdict(extend_client):
     clean = extend_client.get("/jobs/job-ext-clean").text
     c = cell(clean, run_id(extend_client, "job-ext-clean", MAMBA), "prefill_hit")
     assert "data-decided" not in c and "extend KL" not in c and "v-pass" in c
+
+
+def decision(html: str, config: str, scenario: str) -> tuple[dict[str, str], str]:
+    """A compare row's "decided by" cell: its data- attributes and title, and its text."""
+    r = html[html.index(f'data-config="{config}" data-scenario="{scenario}"'):]
+    r = r[r.index('<td class="decision"'):]
+    r = r[:r.index("</td>")]
+    attrs = dict(re.findall(r'(data-[a-z]+|title)="([^"]*)"', r[:r.index(">")]))
+    return attrs, re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", r[r.index(">") + 1:])).strip()
+
+
+def test_compare_shows_the_verdicts_own_test_and_labels_the_other_figures(extend_client):
+    html = extend_client.get("/compare", params={
+        "baseline": "sgl-project/sglang@eee555", "contender": "sgl-project/sglang@eee555",
+        "contender_patches": DEFECT}).text
+    rows = re.findall(r'data-config="([^"]+)" data-scenario="([^"]+)" data-verdict="([^"]+)"', html)
+    assert sorted(rows) == [(GDN, "cold", "pass"), (GDN, "prefill_hit", "regression"),
+                            (MAMBA, "cold", "regression"), (MAMBA, "prefill_hit", "regression")]
+    # the figures of the chosen metric say what they are: for reading, not the verdict's test
+    assert "kl_k3_mean, for reading (not the verdict's test)" in html
+    assert "95% bootstrap interval of it" in html and "difference of the means" in html
+
+    # failed on the extend: the contender's own verdict, its metric, statistic and limit, while
+    # the generated tokens' KL columns show no difference
+    attrs, text = decision(html, MAMBA, "prefill_hit")
+    assert attrs == {"data-source": "contender", "data-metric": "extend_kl_k3_mean",
+                     "data-method": "threshold", "title": html_lib.escape(EXTEND_WHY)}
+    assert text == ("the contender's own verdict: fail extend_kl_k3_mean , fixed limit "
+                    "value 0.0032, limit 0.0005 no interval: a fixed limit")
+    r = html[html.index(f'data-config="{MAMBA}" data-scenario="prefill_hit"'):]
+    assert '<td class="delta">0</td>' in r[:r.index("</tr>")]
+    # without stored metric verdicts: the metric its reason names, and the reason
+    attrs, text = decision(html, GDN, "prefill_hit")
+    assert (attrs["data-source"], attrs["data-metric"], attrs["data-method"]) == (
+        "contender", "extend_kl_k3_mean", "")
+    assert text == f"the contender's own verdict: fail {EXTEND_WHY}"
+
+    # both runs pass their limits, and the paired test finds the regression: its own test,
+    # statistic and the interval it decided on
+    attrs, text = decision(html, MAMBA, "cold")
+    assert (attrs["data-source"], attrs["data-metric"], attrs["data-method"]) == (
+        "paired", "kl_k3_mean", "history")
+    assert attrs["title"].startswith("mean KL (k3) 0.00015 against 1.5e-13 over 1 earlier runs")
+    assert text.startswith("paired test of the two builds kl_k3_mean , paired t-test on the log "
+                           "scale mean difference 0.00015 (0.00015 against 1.5e-13), effect floor")
+    low, high = map(float, re.search(r"interval \[([-\d.e+]+), ([-\d.e+]+)\] on the log scale "
+                                     r"at 99.9%", text).groups())
+    assert 0 < low < high  # on the log scale: it excludes no change
+    # a pass: the paired test that found no regression, with its interval
+    attrs, text = decision(html, GDN, "cold")
+    assert (attrs["data-source"], attrs["data-method"]) == ("paired", "history")
+    assert "interval [0, 0] on the log scale at 99.9%" in text
+
+
+@pytest.mark.parametrize(("base", "cont", "verdict", "paired", "source", "why"), [
+    ("fail", "pass", "improvement", None, "baseline", "mean KL (k3) 1 above 0.01"),
+    ("pass", None, "inconclusive", None, "contender", "the contender run has no verdict of cold"),
+    ("inconclusive", "pass", "inconclusive", None, "baseline", "hit coverage 0.00 below 0.50"),
+    ("pass", "pass", "pass", None, "both", "no paired test of hit_coverage"),
+    ("pass", "pass", "pass", {"metric": "kl_k3_mean", "method": "threshold", "reason": None,
+                              "evidence": {"history": "too few samples (1 against 1)"}},
+     "both", "no paired test of hit_coverage: too few samples (1 against 1)")])
+def test_compare_decision(base, cont, verdict, paired, source, why):
+    results = {(1, "cold"): (base, "mean KL (k3) 1 above 0.01" if base == "fail"
+                             else "hit coverage 0.00 below 0.50")}
+    if cont is not None:
+        results[(2, "cold")] = (cont, None)
+    row = {"scenario": "cold", "metric": "hit_coverage", "baseline_run": 1, "contender_run": 2,
+           "baseline_verdict": base, "contender_verdict": cont, "verdict": verdict,
+           "paired": paired}
+    d = compare_decision(row, results, {})
+    assert (d["source"], d["reason"]) == (source, why)
 
 
 @pytest.mark.parametrize(("verdict", "reason", "judged", "decided"), [
@@ -631,3 +718,4 @@ def test_pages_need_the_read_token(store_dir):
         plotly = c.get("/vendor/plotly.min.js")
         assert plotly.status_code == 200 and len(plotly.content) > 1_000_000
         assert plotly.headers["content-type"].startswith("text/javascript")
+
