@@ -232,16 +232,47 @@ def read_jobs_page(request: Request, session: SessionDep,
 
 # ---- posting a job (the form; it posts to actions.create_job_form) --------------------------
 
-def source_of(session: Session, ref: str | None) -> str:
-    """The build source that makes a stored commit again, for the job form: ``git:REPO@SHA``,
-    ``sglang==VERSION``, ``path:DIR``, or "" (the embedded engine as installed, or unknown)."""
+def manifest_source(manifest: dict[str, Any] | None) -> str | None:
+    """The source a build's manifest says it was made from, as the API takes it: an SGLang
+    build's (``builds.build``: ``path:DIR``, ``git:REPO@SHA`` at the commit its ref resolved to,
+    ``sglang==VERSION``) or an embedded one's (``git:REPO@SHA``, ``path:DIR``); None when the
+    manifest does not say (none, or an older one)."""
+    m = manifest or {}
+    kind, location = m.get("kind"), m.get("location")
+    if kind == "path" and location:
+        return f"path:{location}"
+    if kind == "git" and location and m.get("commit"):
+        return f"git:{location}@{m['commit']}"
+    if kind == "pypi" and m.get("version"):
+        return f"sglang=={m['version']}"
+    source = m.get("source")
+    if kind == "embedded" and isinstance(source, str):
+        if source.startswith("git:") and m.get("commit"):
+            return f"git:{source[4:].rpartition('@')[0]}@{m['commit']}"
+        return source
+    return None
+
+
+def source_of(session: Session, ref: str | None, patch_set: str = "") -> str:
+    """The build source that makes a stored build (a commit and patch set, or else any build of
+    the commit) again, for the job form: the build's own source, as its manifest records it
+    (``manifest_source``: a local tree's ``path:DIR``, never a version made up from the tree's
+    hash); without one, written from the commit: ``git:REPO@SHA``, ``path:DIR`` for a tree,
+    ``sglang==VERSION``; "" for the embedded engine as installed, or unknown."""
     commit = queries.find_commit(session, ref) if ref else None
     if commit is None or commit.repository == EMBEDDED_REPOSITORY:
         return ""
+    build = queries.find_build(session, ref, patch_set)
+    builds = [build] if build is not None else []
+    builds += [b for b in commit.builds if b is not build]
+    for b in builds:
+        found = manifest_source(b.manifest)
+        if found is not None:
+            return found
     if commit.sha:
         return f"git:{commit.repository}@{commit.sha}"
-    if commit.version and "+tree-" in commit.version:
-        return f"path:{commit.repository}"
+    if commit.version and (commit.version.startswith("tree-") or "+tree-" in commit.version):
+        return f"path:{commit.repository}"  # a tree's version is its code's hash
     return f"sglang=={commit.version}" if commit.version else ""
 
 
@@ -280,11 +311,12 @@ def read_new_job_page(request: Request, session: SessionDep, matrix: Text = None
     """The form that posts a job: a matrix (or some of its configs) on a commit, or on two builds
     (a commit with and without a fix); prefilled from a commit (``baseline``, ``contender``:
     stored commit refs) or from the form's own fields (``*_source``)."""
-    first = baseline_source if baseline_source is not None else source_of(session, baseline)
+    first = (baseline_source if baseline_source is not None
+             else source_of(session, baseline, baseline_patches))
     builds = [(first, baseline_patches)]
     if contender or contender_patches or second_build:
         second = (contender_source if contender_source is not None
-                  else source_of(session, contender) if contender else first)
+                  else source_of(session, contender, contender_patches) if contender else first)
         builds.append((second, contender_patches))
     return page(request, "job_new.html", title="Post a job",
                 form=job_form(matrix, configs or [], builds, num_prompts=num_prompts,
@@ -525,8 +557,9 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
         matrices = queries.run_matrices(session, [r["contender_run"] for r in rows])
         new_job = job_form(matrices[0] if matrices else None,
                            dict.fromkeys(r["config"] for r in rows),
-                           [(source_of(session, baseline), baseline_patches),
-                            (source_of(session, contender), contender_patches)])
+                           [(source_of(session, baseline, baseline_patches), baseline_patches),
+                            (source_of(session, contender, contender_patches),
+                             contender_patches)])
     return page(request, "compare.html", title="Compare", form=form, recent=recent, rows=rows,
                 counts={v: n for v, n in counts.items() if n}, permalink=str(request.url),
                 new_job=new_job)
