@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,18 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from evalsvc.app import create_app
-from evalsvc.jobs.builds import made_build_ref
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import AuditEvent, Job, Regression, Run
 from tests.dashboard.test_sign_in import ALICE, BOB, SECRET, USERS, csrf_of, sign_in
-from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
+from tests.store.factories import (
+    BASE_TIME,
+    build_ref,
+    fingerprint_of,
+    record,
+    run_result,
+    sglang_build_ref,
+)
 
 CONFIG = "mamba2-eb-ov-c64"
 WRITE_TOKEN = {"Authorization": "Bearer write-secret-token"}
@@ -279,16 +284,6 @@ def test_the_job_form_is_prefilled_from_a_commit_and_a_comparison(tmp_path, db_u
         assert 'name="second_build" value="1" checked' in compare
 
 
-def sglang_build(kind: str, location: str, ref: str | None = None, hours: float = 0):
-    """An SGLang build made from a source, as ``jobs.builds.made_build_ref`` records it."""
-    label = {"path": f"path:{location}", "git": f"git:{location}@{ref}",
-             "pypi": f"sglang=={ref}"}[kind]
-    manifest = {"kind": kind, "location": location, "source": label,
-                "commit" if kind == "git" else "version": ref, "patches": [],
-                "probes_after": [], "package_hash": hashlib.sha256(label.encode()).hexdigest()}
-    return made_build_ref(manifest, BASE_TIME + timedelta(hours=hours))
-
-
 def test_the_job_form_prefills_each_builds_own_source(tmp_path, db_url):
     """A comparison of two path: builds of SGLang (recorded with their trees' hashes for versions)
     pre-fills their path: sources, which the service takes; git and release builds pre-fill
@@ -299,10 +294,10 @@ def test_the_job_form_prefills_each_builds_own_source(tmp_path, db_url):
         trees[name].mkdir(parents=True)
         (trees[name] / "evalsvc-engine.yaml").write_text(yaml.safe_dump({"defects": defects}))
     sha = hashlib.sha1(b"main").hexdigest()
-    builds = {"clean": sglang_build("path", str(trees["clean"])),
-              "defect": sglang_build("path", str(trees["defect"]), hours=1),
-              "git": sglang_build("git", "https://github.com/sgl-project/sglang", sha, hours=2),
-              "pypi": sglang_build("pypi", "sglang", "0.5.17", hours=3)}
+    builds = {"clean": sglang_build_ref("path", str(trees["clean"])),
+              "defect": sglang_build_ref("path", str(trees["defect"]), hours=1),
+              "git": sglang_build_ref("git", "https://github.com/sgl-project/sglang", sha, hours=2),
+              "pypi": sglang_build_ref("pypi", "sglang", "0.5.17", hours=3)}
     store = Store(db_url)
     try:
         for name, build in builds.items():
