@@ -11,6 +11,7 @@ commits never do.
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -348,14 +349,17 @@ def compare_builds(session: Session, baseline_build: int, contender_build: int,
     the history test's paired per-sample tests apply (location, and tail where the thresholds ask
     for it). The fixed limits are left to each run's own verdicts. Adds ``paired_verdict``
     (regression / improvement / pass / inconclusive; None for a metric without verdicts),
-    ``paired_reason`` and ``paired_test``."""
+    ``paired_reason``, ``paired_test`` and ``paired``: the whole judgement (the keys of a stored
+    verdict: method, value, baseline, the interval of the difference, effect floor, p-value and
+    evidence, whose ``location_interval`` on its ``scale`` is the interval the test decides on),
+    None where ``paired_verdict`` is."""
     from evalsvc.store import queries
 
     thresholds = thresholds or load_thresholds()
     rows = queries.compare(session, baseline_build, contender_build, metric=metric)
     settings = thresholds.history.model_copy(update={"min_runs": 1})
     for row in rows:
-        row.update(paired_verdict=None, paired_reason=None, paired_test=None)
+        row.update(paired_verdict=None, paired_reason=None, paired_test=None, paired=None)
         if metric not in METRICS or row["contender"] is None or row["baseline"] is None:
             continue
         base, cont = session.get(Run, row["baseline_run"]), session.get(Run, row["contender_run"])
@@ -377,5 +381,6 @@ def compare_builds(session: Session, baseline_build: int, contender_build: int,
                          coverage=min(coverage) if coverage else None)
         if j is not None:
             row.update(paired_verdict=j.verdict, paired_reason=j.reason or None,
-                       paired_test=j.evidence.get("test"))
+                       paired_test=j.evidence.get("test"),
+                       paired={**asdict(j), "reason": j.reason or None})
     return rows

@@ -86,18 +86,37 @@ function drawTrends(data) {
 
 // ---- a sample's per-token KL ------------------------------------------------------------------
 
+const onLog = (values) => values.map((v) => (v === null || v <= 0 ? LOG_FLOOR : v));
+
 function drawTokenChart(el, data) {
   const x = data.k3.map((_, i) => i);
-  const y = data.k3.map((v) => (v === null || v <= 0 ? LOG_FLOOR : v));
   const colours = x.map((i) => (i === data.first ? "#c62828" : i === data.position ? "#2f5fb3" : "#8a94a6"));
-  const trace = { type: "bar", x, y, marker: { color: colours }, customdata: data.k3,
-                  hovertemplate: "token %{x}: k3 %{customdata:.3g}<extra></extra>" };
+  const traces = [{ type: "bar", name: "generated", x, y: onLog(data.k3), marker: { color: colours },
+                    customdata: data.k3,
+                    hovertemplate: "generated token %{x}: k3 %{customdata:.3g}<extra></extra>" }];
   const layout = { ...LAYOUT, yaxis: { type: "log", title: { text: "k3 (nats)" }, exponentformat: "e" },
-                   xaxis: { title: { text: "token position" } }, showlegend: false };
-  Plotly.newPlot(el, [trace], layout, { displaylogo: false, responsive: true });
+                   xaxis: { title: { text: "generated token position" } }, showlegend: false };
+  const extend = data.extend_k3 || [];
+  if (extend.length) {
+    // the extend (prefilled on the cached prefix) beside the generated tokens, on one k3 scale
+    const split = Math.min(0.5, Math.max(0.2, extend.length / (extend.length + x.length)));
+    traces.unshift({ type: "bar", name: "extend", x: extend.map((_, i) => i), y: onLog(extend),
+                     xaxis: "x2", marker: { color: "#b26a00" }, customdata: extend,
+                     hovertemplate: "extend token %{x}: k3 %{customdata:.3g}<extra></extra>" });
+    layout.xaxis2 = { domain: [0, split - 0.03], anchor: "y",
+                      title: { text: "extend position (after the cached prefix)" } };
+    layout.xaxis.domain = [split + 0.03, 1];
+    layout.yaxis.anchor = "x2";
+  }
+  Plotly.newPlot(el, traces, layout, { displaylogo: false, responsive: true });
   el.on("plotly_click", (ev) => {
+    const point = ev.points[0];
+    if (point.data.name === "extend") {
+      window.location.hash = `extend-${point.x}`;
+      return;
+    }
     const url = new URL(window.location.href);
-    url.searchParams.set("position", ev.points[0].x);
+    url.searchParams.set("position", point.x);
     window.location.href = url.toString();
   });
 }

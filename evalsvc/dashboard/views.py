@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import extend_tokens, read_sample, sample_tokens, top_candidates
+from evalsvc.judging import LABELS, METRICS
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Regression, Run
@@ -169,7 +170,8 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
                        model: Text = None, scenario: Text = None, branch: Text = None,
                        metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean",
                        commits: Annotated[int, Query(ge=2, le=100)] = 100) -> HTMLResponse:
-    """Latest verdict per config, and per-config trends over the newest commits."""
+    """Latest verdict per config and build (patch set), and per-config trends over the newest
+    commits."""
     matrix, model, scenario, branch = map(_blank, (matrix, model, scenario, branch))
     if metric not in TREND_METRICS:
         return problem(request, 422, f"metric {metric!r}: one of {', '.join(TREND_METRICS)}")
@@ -230,16 +232,47 @@ def read_jobs_page(request: Request, session: SessionDep,
 
 # ---- posting a job (the form; it posts to actions.create_job_form) --------------------------
 
-def source_of(session: Session, ref: str | None) -> str:
-    """The build source that makes a stored commit again, for the job form: ``git:REPO@SHA``,
-    ``sglang==VERSION``, ``path:DIR``, or "" (the embedded engine as installed, or unknown)."""
+def manifest_source(manifest: dict[str, Any] | None) -> str | None:
+    """The source a build's manifest says it was made from, as the API takes it: an SGLang
+    build's (``builds.build``: ``path:DIR``, ``git:REPO@SHA`` at the commit its ref resolved to,
+    ``sglang==VERSION``) or an embedded one's (``git:REPO@SHA``, ``path:DIR``); None when the
+    manifest does not say (none, or an older one)."""
+    m = manifest or {}
+    kind, location = m.get("kind"), m.get("location")
+    if kind == "path" and location:
+        return f"path:{location}"
+    if kind == "git" and location and m.get("commit"):
+        return f"git:{location}@{m['commit']}"
+    if kind == "pypi" and m.get("version"):
+        return f"sglang=={m['version']}"
+    source = m.get("source")
+    if kind == "embedded" and isinstance(source, str):
+        if source.startswith("git:") and m.get("commit"):
+            return f"git:{source[4:].rpartition('@')[0]}@{m['commit']}"
+        return source
+    return None
+
+
+def source_of(session: Session, ref: str | None, patch_set: str = "") -> str:
+    """The build source that makes a stored build (a commit and patch set, or else any build of
+    the commit) again, for the job form: the build's own source, as its manifest records it
+    (``manifest_source``: a local tree's ``path:DIR``, never a version made up from the tree's
+    hash); without one, written from the commit: ``git:REPO@SHA``, ``path:DIR`` for a tree,
+    ``sglang==VERSION``; "" for the embedded engine as installed, or unknown."""
     commit = queries.find_commit(session, ref) if ref else None
     if commit is None or commit.repository == EMBEDDED_REPOSITORY:
         return ""
+    build = queries.find_build(session, ref, patch_set)
+    builds = [build] if build is not None else []
+    builds += [b for b in commit.builds if b is not build]
+    for b in builds:
+        found = manifest_source(b.manifest)
+        if found is not None:
+            return found
     if commit.sha:
         return f"git:{commit.repository}@{commit.sha}"
-    if commit.version and "+tree-" in commit.version:
-        return f"path:{commit.repository}"
+    if commit.version and (commit.version.startswith("tree-") or "+tree-" in commit.version):
+        return f"path:{commit.repository}"  # a tree's version is its code's hash
     return f"sglang=={commit.version}" if commit.version else ""
 
 
@@ -278,11 +311,12 @@ def read_new_job_page(request: Request, session: SessionDep, matrix: Text = None
     """The form that posts a job: a matrix (or some of its configs) on a commit, or on two builds
     (a commit with and without a fix); prefilled from a commit (``baseline``, ``contender``:
     stored commit refs) or from the form's own fields (``*_source``)."""
-    first = baseline_source if baseline_source is not None else source_of(session, baseline)
+    first = (baseline_source if baseline_source is not None
+             else source_of(session, baseline, baseline_patches))
     builds = [(first, baseline_patches)]
     if contender or contender_patches or second_build:
         second = (contender_source if contender_source is not None
-                  else source_of(session, contender) if contender else first)
+                  else source_of(session, contender, contender_patches) if contender else first)
         builds.append((second, contender_patches))
     return page(request, "job_new.html", title="Post a job",
                 form=job_form(matrix, configs or [], builds, num_prompts=num_prompts,
@@ -307,9 +341,68 @@ def log_tail(path: str | None) -> str | None:
     return text
 
 
+# what a matrix cell shows of each metric that can decide a scenario's verdict: label and meaning
+CELL_METRICS = {
+    "kl_k3_mean": ("KL", "mean KL (k3) of the generated tokens, nats, with its bootstrap interval"),
+    "extend_kl_k3_mean": ("extend KL", "mean KL (k3) of the extend (the prompt tokens prefilled on "
+                                       "the cached prefix) against the cold reference, nats, with "
+                                       "its bootstrap interval"),
+    "hit_coverage": ("hit", "share of samples that hit the cache"),
+    "accept_length": ("accept", "acceptance length"),
+}
+# what a scenario's reason says, for the metric it names (the reasons ``judging`` writes)
+REASON_METRICS = {**{label: metric for metric, label in LABELS.items()},
+                  "hit coverage": "hit_coverage", "speculative counters": "accept_length"}
+
+
+def reason_metric(reason: str | None) -> str | None:
+    """The metric a verdict's reason names first (``judging``'s wording); None if none."""
+    found = [(reason.index(text), metric) for text, metric in REASON_METRICS.items()
+             if reason and text in reason]
+    return min(found)[1] if found else None
+
+
+def deciding_verdict(verdict: str | None, reason: str | None, judged: list[dict[str, Any]]
+                     ) -> tuple[str | None, dict[str, Any] | None]:
+    """The metric that decided a scenario's verdict, and its stored verdict (``judged``: the
+    scenario's metric verdicts, ``queries.verdict_dict``) where there is one. A fail is decided by
+    the first of its metrics, in the order ``judging`` takes them, that regressed (the generated
+    tokens' KL, the extend's KL, acceptance), or else by the metric its reason names; an
+    inconclusive scenario by its hit coverage; a pass (or an error) by none."""
+    if verdict == "fail":
+        regressed = {v["metric"]: v for v in judged if v["verdict"] == "regression"}
+        for metric in METRICS:
+            if metric in regressed:
+                return metric, regressed[metric]
+        return reason_metric(reason), None
+    if verdict == "inconclusive":
+        coverage = next((v for v in judged if v["method"] == "coverage"), None)
+        metric = "hit_coverage" if coverage is not None else reason_metric(reason)
+        return metric, coverage
+    return None, None
+
+
+def cell_lines(metrics: dict[str, dict[str, Any]], decided: str | None) -> list[dict[str, Any]]:
+    """A matrix cell's figures: the deciding metric first (``decided``), then the generated
+    tokens' KL, hit coverage and acceptance length where they were measured."""
+    shown = [decided] if decided in CELL_METRICS else []
+    shown += [m for m in ("kl_k3_mean", "hit_coverage", "accept_length")
+              if m != decided and (m != "accept_length" or
+                                   metrics.get(m, {}).get("value") is not None)]
+    lines = []
+    for name in shown:
+        label, title = CELL_METRICS[name]
+        value = metrics.get(name, {})
+        lines.append({"metric": name, "label": label, "title": title,
+                      "value": value.get("value"), "ci_low": value.get("ci_low"),
+                      "ci_high": value.get("ci_high"), "decided": name == decided})
+    return lines
+
+
 def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Configs (x builds) by scenarios: per cell the run, verdict, KL mean with interval, hit
-    coverage and acceptance length."""
+    """Configs (x builds) by scenarios: per cell the run, verdict (its reason on hover), the
+    metric that decided it (``deciding_verdict``: the extend's KL where that failed), then the
+    generated tokens' KL mean with its interval, hit coverage and acceptance length."""
     labels = {(b["commit"], b["patch_set"]): b["label"] for b in builds}
     scenarios = [s for s in SCENARIOS if any(sc["scenario"] == s for r in runs
                                              for sc in r["scenarios"])]
@@ -317,13 +410,10 @@ def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> di
     for r in runs:
         cells = {}
         for sc in r["scenarios"]:
-            m = sc["metrics"]
-            kl = m.get("kl_k3_mean", {})
-            cells[sc["scenario"]] = {
-                "verdict": sc["verdict"], "reason": sc["reason"], "kl": kl.get("value"),
-                "ci_low": kl.get("ci_low"), "ci_high": kl.get("ci_high"),
-                "hit_coverage": m.get("hit_coverage", {}).get("value"),
-                "accept_length": m.get("accept_length", {}).get("value")}
+            judged = [v for v in r["verdicts"] if v["scenario"] == sc["scenario"]]
+            decided, _ = deciding_verdict(sc["verdict"], sc["reason"], judged)
+            cells[sc["scenario"]] = {"verdict": sc["verdict"], "reason": sc["reason"],
+                                     "decided": decided, "lines": cell_lines(sc["metrics"], decided)}
         rows.append({"run": r, "build": labels[(r["commit"], r["patch_set"])], "cells": cells})
     return {"scenarios": scenarios, "rows": rows}
 
@@ -393,13 +483,47 @@ def compare_verdict(baseline: str | None, contender: str | None) -> str:
     return "regression" if contender == "fail" else "improvement"
 
 
+def compare_decision(row: dict[str, Any], results: dict[tuple[int, str], tuple[str, str | None]],
+                     judged: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    """The test that decided a comparison row's verdict, with its figures. ``source``: ``paired``
+    (the two builds' runs compared sample by sample, ``compare_builds``: a regression the runs' own
+    verdicts do not show, or, for a pass, the test that found none), ``contender`` or ``baseline``
+    (that run's own verdict of the scenario: a fail or an inconclusive decides), or ``both`` (a
+    pass with no paired test of the metric). ``verdict``: the deciding metric verdict
+    (``queries.verdict_dict``'s keys; None where none was stored: then ``reason`` says why),
+    ``metric`` and ``scenario_verdict``. ``results`` and ``judged``: the runs' scenario verdicts
+    with their reasons and their metric verdicts, by (run id, scenario)."""
+    paired, verdict = row["paired"], row["verdict"]
+    own = compare_verdict(row["baseline_verdict"], row["contender_verdict"])
+    tested = paired is not None and paired["method"] == "history"
+    if (verdict == "regression" and own != "regression") or (verdict == "pass" and tested):
+        return {"source": "paired", "metric": paired["metric"], "verdict": paired,
+                "reason": paired["reason"], "scenario_verdict": None}
+    if verdict == "pass":  # no paired test: of a metric without one, or too few samples
+        why = paired and (paired["evidence"].get("history") or paired["reason"])
+        return {"source": "both", "metric": None, "verdict": None, "scenario_verdict": "pass",
+                "reason": f"no paired test of {row['metric']}" + (f": {why}" if why else "")}
+    side = "baseline" if verdict == "improvement" or (
+        verdict == "inconclusive" and row["contender_verdict"] in ("pass", "fail")) else "contender"
+    run = row[f"{side}_run"]
+    scenario_verdict, reason = results.get((run, row["scenario"]), (None, None))
+    metric, decided = deciding_verdict(scenario_verdict, reason,
+                                       judged.get((run, row["scenario"]), []))
+    if scenario_verdict is None:
+        reason = f"the {side} run has no verdict of {row['scenario']}"
+    return {"source": side, "metric": metric, "verdict": decided,
+            "reason": reason or (decided or {}).get("reason"), "scenario_verdict": scenario_verdict}
+
+
 @router.get("/compare")
 def read_compare_page(request: Request, session: SessionDep, baseline: Text = None,
                       contender: Text = None,
                       baseline_patches: Annotated[str, Query(max_length=500)] = "",
                       contender_patches: Annotated[str, Query(max_length=500)] = "",
                       metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean") -> HTMLResponse:
-    """Baseline vs contender per config and scenario, regressions first."""
+    """Baseline vs contender per config and scenario, regressions first: each row's verdict with
+    the test that decided it (``compare_decision``), and the chosen metric's values, delta and
+    bootstrap interval labelled as figures for reading."""
     form = {"baseline": baseline or "", "contender": contender or "",
             "baseline_patches": baseline_patches, "contender_patches": contender_patches,
             "metric": metric}
@@ -414,14 +538,16 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
             return problem(request, 404, f"{name}: no build of {ref!r} with patch set {patches!r}")
         builds[name] = build.id
     rows = compare_builds(session, builds["baseline"], builds["contender"], metric=metric)
-    verdicts = queries.scenario_verdicts_of(
-        session, [r["baseline_run"] for r in rows] + [r["contender_run"] for r in rows])
+    run_ids = [r["baseline_run"] for r in rows] + [r["contender_run"] for r in rows]
+    results = queries.scenario_results_of(session, run_ids)
+    judged = queries.metric_verdicts_of(session, run_ids)
     for r in rows:
-        r["baseline_verdict"] = verdicts.get((r["baseline_run"], r["scenario"]))
-        r["contender_verdict"] = verdicts.get((r["contender_run"], r["scenario"]))
+        r["baseline_verdict"] = results.get((r["baseline_run"], r["scenario"]), (None,))[0]
+        r["contender_verdict"] = results.get((r["contender_run"], r["scenario"]), (None,))[0]
         r["verdict"] = compare_verdict(r["baseline_verdict"], r["contender_verdict"])
         if r["paired_verdict"] == "regression" and r["verdict"] in ("pass", "improvement"):
             r["verdict"] = "regression"  # both pass their limits, yet the same prompts got worse
+        r["decision"] = compare_decision({**r, "metric": metric}, results, judged)
     rows.sort(key=lambda r: (COMPARE_ORDER.index(r["verdict"]), -(r["delta"] or 0.0),
                              r["config"], r["scenario"]))
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COMPARE_ORDER}
@@ -431,8 +557,9 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
         matrices = queries.run_matrices(session, [r["contender_run"] for r in rows])
         new_job = job_form(matrices[0] if matrices else None,
                            dict.fromkeys(r["config"] for r in rows),
-                           [(source_of(session, baseline), baseline_patches),
-                            (source_of(session, contender), contender_patches)])
+                           [(source_of(session, baseline, baseline_patches), baseline_patches),
+                            (source_of(session, contender, contender_patches),
+                             contender_patches)])
     return page(request, "compare.html", title="Compare", form=form, recent=recent, rows=rows,
                 counts={v: n for v, n in counts.items() if n}, permalink=str(request.url),
                 new_job=new_job)
@@ -542,7 +669,8 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
                      position: Annotated[int | None, Query(ge=0, le=1_000_000)] = None
                      ) -> HTMLResponse:
     """One sample: its generated tokens coloured by per-token KL, the first divergent token
-    marked, both sides' logprobs at a chosen position, and its extend's tokens."""
+    marked, the per-token KL of its extend beside that of its generated tokens, both sides'
+    logprobs at a chosen position, and its extend's tokens."""
     run = queries.run_detail(session, run_id)
     if run is None:
         return problem(request, 404, f"no run {run_id}")
@@ -570,7 +698,8 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
         position = first if first is not None else 0
     if tokens and position >= len(tokens):
         return problem(request, 422, f"position {position}: the sample has {len(tokens)} tokens")
-    chart = {"k3": [finite(t["k3"]) for t in tokens], "first": first, "position": position}
+    chart = {"k3": [finite(t["k3"]) for t in tokens], "first": first, "position": position,
+             "extend_k3": [finite(t["k3"]) for t in extend]}
     top = top_candidates(row, position, model_path)
     return page(request, "sample.html", title=f"Sample {sample_id}", run=run, sample=sample,
                 tokens=tokens, first=first, position=position,

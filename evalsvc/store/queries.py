@@ -62,9 +62,11 @@ def metric_history(session: Session, metric: str = "kl_k3_mean", *, fingerprint:
 
 def latest_per_config(session: Session, matrix: str | None = None,
                       branch: str | None = None) -> list[dict[str, Any]]:
-    """The newest run of every fingerprint (by commit time, then recording), with its verdicts."""
+    """The newest run of every fingerprint and patch set (by commit time, then recording), with
+    its verdicts: a build with a patch set (a fix, or a defect put back) is a series of its own,
+    never mixed with the unpatched build of the same commit."""
     ranked = (select(Run.id.label("run_id"),
-                     func.row_number().over(partition_by=Run.fingerprint,
+                     func.row_number().over(partition_by=(Run.fingerprint, Build.patch_set),
                                             order_by=(Commit.committed_at.desc(),
                                                       Run.id.desc())).label("rank"))
               .join(Build, Run.build_id == Build.id).join(Commit, Build.commit_id == Commit.id))
@@ -76,8 +78,8 @@ def latest_per_config(session: Session, matrix: str | None = None,
     runs = session.scalars(select(Run).join(ranked, ranked.c.run_id == Run.id)
                            .where(ranked.c.rank == 1)
                            .options(selectinload(Run.scenarios),
-                                    selectinload(Run.build).selectinload(Build.commit))
-                           .order_by(Run.config)).all()
+                                    selectinload(Run.build).selectinload(Build.commit))).all()
+    runs = sorted(runs, key=lambda r: (r.config, r.fingerprint, r.build.patch_set))
     return [{"run_id": r.id, "config": r.config, "fingerprint": r.fingerprint,
              "commit": r.build.commit.ref, "patch_set": r.build.patch_set, "verdict": r.verdict,
              "scenarios": {s.scenario: s.verdict for s in r.scenarios}} for r in runs]
@@ -537,8 +539,26 @@ def commit_summaries(session: Session, *, branch: str | None = None, limit: int 
 
 def scenario_verdicts_of(session: Session, run_ids: list[int]) -> dict[tuple[int, str], str]:
     """Scenario verdicts of many runs, by (run id, scenario)."""
+    return {key: verdict for key, (verdict, _) in scenario_results_of(session, run_ids).items()}
+
+
+def scenario_results_of(session: Session, run_ids: list[int]
+                        ) -> dict[tuple[int, str], tuple[str, str | None]]:
+    """Scenario verdicts of many runs with their reasons, by (run id, scenario)."""
     if not run_ids:
         return {}
-    return {(r, s): v for r, s, v in session.execute(
-        select(ScenarioRow.run_id, ScenarioRow.scenario, ScenarioRow.verdict)
+    return {(r, s): (v, why) for r, s, v, why in session.execute(
+        select(ScenarioRow.run_id, ScenarioRow.scenario, ScenarioRow.verdict, ScenarioRow.reason)
         .where(ScenarioRow.run_id.in_(run_ids)))}
+
+
+def metric_verdicts_of(session: Session, run_ids: list[int]
+                       ) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """The metric verdicts (``verdict_dict``) of many runs, by (run id, scenario), in the order
+    they were judged."""
+    out: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    if run_ids:
+        for v in session.scalars(select(Verdict).where(Verdict.run_id.in_(run_ids))
+                                 .order_by(Verdict.id)):
+            out.setdefault((v.run_id, v.scenario), []).append(verdict_dict(v))
+    return out

@@ -124,7 +124,8 @@ def dashboard(tmp_path_factory) -> Iterator[Dashboard]:
     settings = Settings(data_dir=tmp / "data", database_url=database_url, nightly=False,
                         engine_slots=1, users=USERS, api_token=API_TOKEN,
                         session_secret=uuid.uuid4().hex,
-                        allowed_sources=["sglang==*", "pypi:*", f"git:{repo}@*"])
+                        allowed_sources=["sglang==*", "pypi:*", f"git:{repo}@*",
+                                         f"path:{tmp}/trees/*"])
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
                                            log_level="warning"))

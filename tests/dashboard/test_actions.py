@@ -7,10 +7,12 @@ names the field and stores nothing."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
@@ -19,7 +21,14 @@ from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import AuditEvent, Job, Regression, Run
 from tests.dashboard.test_sign_in import ALICE, BOB, SECRET, USERS, csrf_of, sign_in
-from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
+from tests.store.factories import (
+    BASE_TIME,
+    build_ref,
+    fingerprint_of,
+    record,
+    run_result,
+    sglang_build_ref,
+)
 
 CONFIG = "mamba2-eb-ov-c64"
 WRITE_TOKEN = {"Authorization": "Bearer write-secret-token"}
@@ -273,3 +282,47 @@ def test_the_job_form_is_prefilled_from_a_commit_and_a_comparison(tmp_path, db_u
         assert re.search(rf'name="configs" value="{CONFIG}" checked', compare)
         assert 'name="contender_patches" size="36" value="pr-fix"' in compare
         assert 'name="second_build" value="1" checked' in compare
+
+
+def test_the_job_form_prefills_each_builds_own_source(tmp_path, db_url):
+    """A comparison of two path: builds of SGLang (recorded with their trees' hashes for versions)
+    pre-fills their path: sources, which the service takes; git and release builds pre-fill
+    their git: source at the commit and their sglang==VERSION."""
+    trees = {}
+    for name, defects in (("clean", {}), ("defect", {"snapshot-race": 1.0})):
+        trees[name] = tmp_path / "trees" / name
+        trees[name].mkdir(parents=True)
+        (trees[name] / "evalsvc-engine.yaml").write_text(yaml.safe_dump({"defects": defects}))
+    sha = hashlib.sha1(b"main").hexdigest()
+    builds = {"clean": sglang_build_ref("path", str(trees["clean"])),
+              "defect": sglang_build_ref("path", str(trees["defect"]), hours=1),
+              "git": sglang_build_ref("git", "https://github.com/sgl-project/sglang", sha, hours=2),
+              "pypi": sglang_build_ref("pypi", "sglang", "0.5.17", hours=3)}
+    store = Store(db_url)
+    try:
+        for name, build in builds.items():
+            record(store, tmp_path / "results", f"job-{name}", build,
+                   [run_result(CONFIG, {"cold": [1e-13, 2e-13]})])
+    finally:
+        store.close()
+    clean, defect = builds["clean"].ref, builds["defect"].ref
+    assert clean == f"{trees['clean']}==tree-{builds['clean'].version[5:]}"  # as SGLang's are
+    with make_client(tmp_path, db_url, allowed_sources=[f"path:{tmp_path}/trees/*"]) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        compare = c.get("/compare", params={"baseline": clean, "contender": defect}).text
+        fields = dict(re.findall(r'name="((?:baseline|contender)_source)" size="56" '
+                                 r'value="([^"]*)"', compare))
+        assert fields == {"baseline_source": f"path:{trees['clean']}",
+                          "contender_source": f"path:{trees['defect']}"}
+        assert re.search(rf'name="configs" value="{CONFIG}" checked', compare)
+        resp = c.post("/jobs", follow_redirects=False, data={
+            "matrix": "smoke", "configs": [CONFIG], **fields, "second_build": "1",
+            "num_prompts": "2", "csrf_token": csrf_of(compare)})
+        assert resp.status_code == 303, resp.text[-3000:]
+        job = c.get(f"/api/v1/jobs/{resp.headers['location'].rsplit('/', 1)[1]}").json()
+        assert [b["source"] for b in job["spec"]["builds"]] == [
+            f"path:{trees['clean']}", f"path:{trees['defect']}"]
+        for name, source in (("git", f"git:https://github.com/sgl-project/sglang@{sha}"),
+                             ("pypi", "sglang==0.5.17"), ("clean", f"path:{trees['clean']}")):
+            form = c.get("/jobs/new", params={"baseline": builds[name].ref}).text
+            assert f'name="baseline_source" size="56" value="{source}"' in form, name

@@ -43,8 +43,12 @@ def test_jobs_page_follows_the_running_job_until_it_is_done(tab, dashboard):
 def test_overview_shows_latest_verdicts_trends_and_the_regression(tab, dashboard):
     dashboard.wait()
     page = tab.open("/")
-    for config in CONFIGS:  # the newest run of each config is the defect build's
-        row = page.locator(f'table.latest tr[data-config="{config}"]')
+    for config in CONFIGS:  # a row per build: the clean one passes, the defect build fails
+        assert page.locator(f'table.latest tr[data-config="{config}"]').count() == 2
+        clean = page.locator(f'table.latest tr[data-config="{config}"][data-patch-set=""]')
+        assert clean.locator("td").nth(2).inner_text() == "-"
+        assert clean.locator('[data-scenario="prefill_hit"]').inner_text() == "pass"
+        row = page.locator(f'table.latest tr[data-config="{config}"][data-patch-set="{DEFECT}"]')
         assert row.locator("td").nth(2).inner_text() == DEFECT
         assert row.locator('[data-scenario="prefill_hit"]').inner_text() == "fail"
         assert row.locator('[data-scenario="cold"]').inner_text() == "pass"
@@ -60,7 +64,7 @@ def test_overview_shows_latest_verdicts_trends_and_the_regression(tab, dashboard
         assert sorted(traces["fail"]) == sorted(y for s in FAILING for y in traces[f"{s} [{DEFECT}]"])
 
     page = tab.open("/?scenario=prefill_hit&model=gdn")
-    assert page.locator("table.latest tbody tr").count() == 1
+    assert page.locator("table.latest tbody tr").count() == 2  # clean and defect builds
     assert page.locator("table.latest thead th").all_inner_texts()[-1] == "prefill_hit"
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 1")
     (chart,) = page.evaluate(TREND_CHARTS)
@@ -119,6 +123,10 @@ def test_drilldown_marks_the_first_divergent_token(tab, dashboard):
     assert page.locator(".tokens .token").count() == 24  # max_new_tokens of the smoke workload
     page.wait_for_selector("#token-chart.js-plotly-plot")
     assert page.locator("#token-chart svg path").count() > 0
+    # the extend's per-token KL beside the generated tokens', one bar per token of each
+    traces = page.evaluate("document.getElementById('token-chart').data.map(t => [t.name, t.x.length])")
+    extend = page.locator("#extend-tokens tbody tr").count()
+    assert extend > 0 and traces == [["extend", extend], ["generated", 24]]
     assert page.locator("h2", has_text="At position").inner_text() == f"At position {first}"
 
     # both sides' top-k at that position, most likely first, the generated token among them
@@ -150,6 +158,14 @@ def test_job_page_shows_the_matrix_resolved_arguments_and_builds(tab, dashboard)
                      for defect in (False, True)}
     # every run's every scenario: cold, prefill_hit, decode_hit, branching, chunked_hit
     assert page.locator("table.matrix td.cell", has_text="KL").count() == 4 * 5
+    # the failing cells show the metric that failed first, with the verdict's reason on hover
+    decided = page.locator("table.matrix td.cell[data-decided] .decided")
+    assert decided.count() == len(CONFIGS) * len(FAILING)
+    for i in range(decided.count()):
+        line = decided.nth(i)
+        assert line.get_attribute("data-metric") == "kl_k3_mean"  # before the extend's
+        assert line.inner_text().startswith("KL ")
+        assert "mean KL (k3)" in line.get_attribute("title")
 
     builds = page.locator("section.build")
     assert builds.count() == 2

@@ -1,14 +1,19 @@
 """Acting from the dashboard in chromium, on the served store of the browser tests (after them:
 these change it): signing in and out, triaging a regression from its page and seeing who did it,
 starting a bisection from a regression, posting a comparison job from the compare page and
-following it to done, cancelling a running job, and being refused as a read user or without the
-form's CSRF token."""
+following it to done (also for two path: builds), cancelling a running job, and being refused as
+a read user or without the form's CSRF token."""
 
 from __future__ import annotations
 
-import pytest
+from urllib.parse import urlencode
 
+import pytest
+import yaml
+
+from evalsvc.store.db import Store
 from tests.dashboard.conftest import ALICE, CONFIGS, DEFECT, GIT_CONFIG
+from tests.store.factories import record, run_result, sglang_build_ref
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dashboard")]
 
@@ -175,6 +180,48 @@ def test_post_a_comparison_job_and_follow_it_to_done(tab, dashboard):
     job = dashboard.client.get(f"/api/v1/jobs/{job_id}").json()
     assert (job["trigger"], job["status"], job["spec"]["configs"]) == (
         "dashboard", "done", [CONFIGS[0]])
+
+
+def test_post_a_job_for_two_path_builds_from_their_compare_page(tab, dashboard):
+    """The compare page of two path: builds (SGLang builds of two local trees, recorded as the
+    service records them: the tree's hash for a version) pre-fills their own path: sources, and
+    the job posted from it runs on them to done: the embedded engine reads each tree's settings,
+    the second's with the snapshot-race defect."""
+    dashboard.wait()
+    trees, refs = dashboard.repo.parent / "trees", []
+    store = Store(dashboard.database_url, migrate=False)
+    try:
+        for i, (name, defects) in enumerate((("clean", {}), ("defect", {"snapshot-race": 1.0}))):
+            tree = trees / name
+            tree.mkdir(parents=True)
+            (tree / "evalsvc-engine.yaml").write_text(yaml.safe_dump({"defects": defects}))
+            build = sglang_build_ref("path", str(tree), hours=i)
+            record(store, dashboard.repo.parent / "results", f"path-builds-{name}", build,
+                   [run_result(CONFIGS[0], {"cold": [1e-13] * 2, "prefill_hit": [1e-13] * 2})])
+            refs.append(build.ref)
+    finally:
+        store.close()
+    assert "==tree-" in refs[0]  # the tree's hash for a version
+    page = tab.open("/compare?" + urlencode({"baseline": refs[0], "contender": refs[1]}))
+    form = page.locator("#job-form")
+    assert form.locator('input[name="baseline_source"]').input_value() == f"path:{trees / 'clean'}"
+    assert form.locator('input[name="contender_source"]').input_value() == (
+        f"path:{trees / 'defect'}")
+    assert form.locator('input[name="second_build"]').is_checked()
+    checked = form.locator('input[name="configs"]:checked')
+    assert [checked.nth(i).get_attribute("value") for i in range(checked.count())] == [CONFIGS[0]]
+    form.locator('input[name="num_prompts"]').fill("2")
+    form.locator('button[type="submit"]').click()
+    page.wait_for_load_state("networkidle")
+    assert page.url.startswith(f"{dashboard.url}/jobs/dashboard-"), page.content()[:3000]
+    job_id = page.url.rsplit("/", 1)[1]
+    page.wait_for_selector("#job-facts:not([data-poll-job]) .status .v-done", timeout=300_000)
+    assert page.locator('table.matrix [data-scenario="prefill_hit"] .badge').all_inner_texts() == [
+        "pass", "fail"]
+    job = dashboard.client.get(f"/api/v1/jobs/{job_id}").json()
+    assert job["status"] == "done"
+    assert [b["source"] for b in job["spec"]["builds"]] == [
+        f"path:{trees / 'clean'}", f"path:{trees / 'defect'}"]
 
 
 def test_start_a_bisection_from_a_regression(tab, dashboard, git_regression):

@@ -20,7 +20,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from evalsvc.app import create_app
-from evalsvc.dashboard.views import bisection_view, compare_verdict
+from evalsvc.dashboard.views import (
+    bisection_view,
+    compare_decision,
+    compare_verdict,
+    deciding_verdict,
+)
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Regression, Run, Verdict
@@ -165,8 +170,16 @@ def test_overview_shows_latest_verdicts_and_trends(client):
     resp = client.get("/")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/html")
     html = resp.text
-    # mamba2's newest run is the patched build's (recorded last on the newest commit): a pass
-    assert re.search(rf'data-config="{MAMBA}">.*?pr-fix.*?v-pass', html, re.S)
+    # one row per config and patch set: mamba2's unpatched build fails on the newest commit, and
+    # its patched build (recorded last) passes there; neither hides the other
+    rows = re.findall(r'<tr data-config="([^"]+)" data-patch-set="([^"]*)">', html)
+    assert rows == [(GDN, ""), (MAMBA, ""), (MAMBA, "pr-fix")]
+    unpatched = html[html.index(f'data-config="{MAMBA}" data-patch-set=""'):]
+    unpatched = unpatched[:unpatched.index("</tr>")]
+    patched = html[html.index(f'data-config="{MAMBA}" data-patch-set="pr-fix"'):]
+    patched = patched[:patched.index("</tr>")]
+    assert "ccc333" in unpatched and 'data-scenario="prefill_hit"><span class="badge v-fail"' in unpatched
+    assert "ccc333" in patched and 'data-scenario="prefill_hit"><span class="badge v-pass"' in patched
     data = page_data(html)
     assert [c[1] for c in data["commits"]] == ["aaa111", "bbb222", "ccc333", "rel444"]
     charts = {c["config"]: c for c in data["charts"]}
@@ -226,6 +239,12 @@ def test_compare_lists_regressions_first_with_a_permalink(client):
     permalink = html_lib.unescape(re.search(r'id="permalink" href="([^"]+)"', html).group(1))
     assert permalink.startswith("http://testserver/compare?")
     assert dict(parse_qsl(urlsplit(permalink).query)) == params
+    # the regression was decided by the contender's own verdict: its history test's interval
+    r = html[html.index(f'data-config="{MAMBA}" data-scenario="prefill_hit"'):]
+    r = r[:r.index("</tr>")]
+    assert re.search(r'<td class="decision" data-source="contender" data-metric="kl_k3_mean" '
+                     r'data-method="history"', r)
+    assert '<div class="interval">interval [0.0412, 0.0588] at 95%</div>' in r
     fixed = client.get("/compare", params={**params, "baseline": params["contender"],
                                            "contender_patches": "pr-fix"}).text
     assert re.findall(r'data-verdict="([^"]+)"', fixed) == ["improvement", "pass"]
@@ -299,15 +318,198 @@ def test_sample_page_lists_the_extend_tokens_coloured_by_kl(tmp_path):
         assert '<a href="#extend">extend tokens</a>' in html
         start = html.index('id="extend-tokens"')
         table = html[start:html.index("</table>", start)]
-        rows = re.findall(r'<tr data-position="(\d+)">(.*?)</tr>', table, re.S)
+        rows = re.findall(r'<tr id="extend-\d+" data-position="(\d+)">(.*?)</tr>', table, re.S)
         assert [int(p) for p, _ in rows] == [0, 1, 2, 3]
         first, last = rows[0][1], rows[3][1]
         assert "<code>[301]</code>" in first and "<td>-0.5</td><td>-3.5</td>" in first
         assert re.search(r'class="k3" style="background: hsl\(0, 70%, 65%\)">2\.05<', first)
         assert "[304]" in last and 'hsl(0, 70%' not in last  # a low k3 is not red
+        # the chart draws the extend's per-token KL beside the generated tokens'
+        data = page_data(html)
+        assert len(data["extend_k3"]) == 4 and len(data["k3"]) == 4
+        assert data["extend_k3"][0] == pytest.approx(2.05, rel=1e-2)
+        assert data["extend_k3"][1:3] == [0.0, 0.0] and 0 < data["extend_k3"][3] < 1e-12
+        assert 'id="token-chart-note"' in html
         # a sample without an extend has no such section
         other = c.get(f"/runs/{rid}/samples/a", params={"scenario": "prefill_hit"}).text
         assert 'id="extend-tokens"' not in other and "extend tokens" not in other
+        assert page_data(other)["extend_k3"] == [] and 'id="token-chart-note"' not in other
+
+
+EXTEND_WHY = ("extend KL (k3) 0.0032 above the limit 0.0005 (k3 0.19 at extend position 0 of "
+              "40; positions 1+ at 1e-05)")
+DEFECT = "defect:deferred-ops-dropped"
+
+
+def with_extend(config: str, extend: float, fail: bool, cold: list[float] = CLEAN):
+    """A run whose prefill_hit has an extend of mean KL ``extend``; ``fail``: its verdict is a
+    fail on the extend's KL (the generated tokens' KL clean), as real SGLang's defect build's.
+    ``cold``: the per-sample KL of its cold scenario."""
+    r = run_result(config, {"cold": cold, "prefill_hit": CLEAN}, sample_ids=["a", "b", "c"])
+    r.model = "mamba2" if config == MAMBA else "gdn"
+    sc = next(sc for sc in r.scenarios if sc.scenario == "prefill_hit")
+    sc.metrics.update(extend_kl_k3_mean=extend, extend_kl_k3_ci_low=extend * 0.7,
+                      extend_kl_k3_ci_high=extend * 1.4, extend_kl_k3_n_samples=3)
+    if fail:
+        sc.verdict, sc.reason = "fail", EXTEND_WHY
+        r.verdict, r.reason = "fail", f"prefill_hit: {EXTEND_WHY}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def extend_client(tmp_path_factory) -> Iterator[TestClient]:
+    """One commit, clean and with a defect patch that fails prefill_hit on the extend's KL only:
+    mamba2's run with its metric verdicts stored (as ``verdicts.judge_run`` writes them), gdn's
+    with its scenario verdict alone. The defect build's mamba2 also has its cold KL a billion
+    times the clean one's, far within the limit: a regression only the paired test sees."""
+    tmp = tmp_path_factory.mktemp("extend")
+    store = Store(f"sqlite:///{tmp / 'store.db'}")
+    try:
+        record(store, tmp / "results", "job-ext-clean", build_ref("eee555"),
+               [with_extend(MAMBA, 2e-5, False), with_extend(GDN, 2e-5, False)])
+        record(store, tmp / "results", "job-ext-defect", build_ref("eee555", patches=[DEFECT]),
+               [with_extend(MAMBA, 3.2e-3, True, cold=[1e-4, 2e-4, 1.5e-4]),
+                with_extend(GDN, 3.2e-3, True)])
+        with store.session() as s:
+            bad = s.scalar(select(Run.id).where(Run.job_id == "job-ext-defect",
+                                                Run.config == MAMBA))
+            s.add_all([
+                Verdict(run_id=bad, scenario="prefill_hit", metric="kl_k3_mean", verdict="pass",
+                        method="threshold", value=1.5e-13, threshold=5e-3),
+                Verdict(run_id=bad, scenario="prefill_hit", metric="extend_kl_k3_mean",
+                        verdict="regression", method="threshold", value=3.2e-3, threshold=5e-4,
+                        reason=EXTEND_WHY)])
+    finally:
+        store.close()
+    with make_client(tmp) as c:
+        yield c
+
+
+def cell(html: str, run: int, scenario: str) -> str:
+    """A job page's matrix cell: run ``run``, scenario ``scenario``."""
+    at = html.index(f'<tr data-run="{run}">')
+    at = html.index(f'data-scenario="{scenario}"', at)
+    return html[html.rindex("<td", 0, at):html.index("</td>", at)]
+
+
+def test_a_matrix_cell_shows_the_metric_that_decided_its_verdict(extend_client):
+    html = extend_client.get("/jobs/job-ext-defect").text
+    why = html_lib.escape(EXTEND_WHY)
+    for config in (MAMBA, GDN):  # with its metric verdicts stored, and from its reason alone
+        c = cell(html, run_id(extend_client, "job-ext-defect", config), "prefill_hit")
+        assert c.startswith('<td class="cell" data-scenario="prefill_hit" '
+                            'data-decided="extend_kl_k3_mean">')
+        lines = re.findall(r'<div class="([a-z ]+)" data-metric="([a-z0-9_]+)" title="([^"]*)">'
+                           r'(.*?)</div>', c, re.S)
+        # the extend's KL first, labelled, with the verdict's reason on hover
+        assert [(cls, metric) for cls, metric, _, _ in lines] == [
+            ("metric decided", "extend_kl_k3_mean"), ("metric", "kl_k3_mean"),
+            ("metric", "hit_coverage")]
+        _, _, title, text = lines[0]
+        assert title == why
+        assert re.fullmatch(r'extend KL 0\.0032 <span class="ci">\[0\.0022, 0\.0045\]</span>',
+                            text.strip()), text
+        assert lines[1][3].startswith("KL 1.5e-13") and "generated tokens" in lines[1][2]
+        assert f'<span class="badge v-fail" title="{why}">fail</span>' in c
+        # the scenario that passed shows the generated tokens' KL first, as before
+        cold = cell(html, run_id(extend_client, "job-ext-defect", config), "cold")
+        assert "data-decided" not in cold and "extend KL" not in cold
+        assert re.search(r'<div class="metric" data-metric="kl_k3_mean"[^>]*>KL ', cold)
+    clean = extend_client.get("/jobs/job-ext-clean").text
+    c = cell(clean, run_id(extend_client, "job-ext-clean", MAMBA), "prefill_hit")
+    assert "data-decided" not in c and "extend KL" not in c and "v-pass" in c
+
+
+def decision(html: str, config: str, scenario: str) -> tuple[dict[str, str], str]:
+    """A compare row's "decided by" cell: its data- attributes and title, and its text."""
+    r = html[html.index(f'data-config="{config}" data-scenario="{scenario}"'):]
+    r = r[r.index('<td class="decision"'):]
+    r = r[:r.index("</td>")]
+    attrs = dict(re.findall(r'(data-[a-z]+|title)="([^"]*)"', r[:r.index(">")]))
+    return attrs, re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", r[r.index(">") + 1:])).strip()
+
+
+def test_compare_shows_the_verdicts_own_test_and_labels_the_other_figures(extend_client):
+    html = extend_client.get("/compare", params={
+        "baseline": "sgl-project/sglang@eee555", "contender": "sgl-project/sglang@eee555",
+        "contender_patches": DEFECT}).text
+    rows = re.findall(r'data-config="([^"]+)" data-scenario="([^"]+)" data-verdict="([^"]+)"', html)
+    assert sorted(rows) == [(GDN, "cold", "pass"), (GDN, "prefill_hit", "regression"),
+                            (MAMBA, "cold", "regression"), (MAMBA, "prefill_hit", "regression")]
+    # the figures of the chosen metric say what they are: for reading, not the verdict's test
+    assert "kl_k3_mean, for reading (not the verdict's test)" in html
+    assert "95% bootstrap interval of it" in html and "difference of the means" in html
+
+    # failed on the extend: the contender's own verdict, its metric, statistic and limit, while
+    # the generated tokens' KL columns show no difference
+    attrs, text = decision(html, MAMBA, "prefill_hit")
+    assert attrs == {"data-source": "contender", "data-metric": "extend_kl_k3_mean",
+                     "data-method": "threshold", "title": html_lib.escape(EXTEND_WHY)}
+    assert text == ("the contender's own verdict: fail extend_kl_k3_mean , fixed limit "
+                    "value 0.0032, limit 0.0005 no interval: a fixed limit")
+    r = html[html.index(f'data-config="{MAMBA}" data-scenario="prefill_hit"'):]
+    assert '<td class="delta">0</td>' in r[:r.index("</tr>")]
+    # without stored metric verdicts: the metric its reason names, and the reason
+    attrs, text = decision(html, GDN, "prefill_hit")
+    assert (attrs["data-source"], attrs["data-metric"], attrs["data-method"]) == (
+        "contender", "extend_kl_k3_mean", "")
+    assert text == f"the contender's own verdict: fail {EXTEND_WHY}"
+
+    # both runs pass their limits, and the paired test finds the regression: its own test,
+    # statistic and the interval it decided on
+    attrs, text = decision(html, MAMBA, "cold")
+    assert (attrs["data-source"], attrs["data-metric"], attrs["data-method"]) == (
+        "paired", "kl_k3_mean", "history")
+    assert attrs["title"].startswith("mean KL (k3) 0.00015 against 1.5e-13 over 1 earlier runs")
+    assert text.startswith("paired test of the two builds kl_k3_mean , paired t-test on the log "
+                           "scale mean difference 0.00015 (0.00015 against 1.5e-13), effect floor")
+    low, high = map(float, re.search(r"interval \[([-\d.e+]+), ([-\d.e+]+)\] on the log scale "
+                                     r"at 99.9%", text).groups())
+    assert 0 < low < high  # on the log scale: it excludes no change
+    # a pass: the paired test that found no regression, with its interval
+    attrs, text = decision(html, GDN, "cold")
+    assert (attrs["data-source"], attrs["data-method"]) == ("paired", "history")
+    assert "interval [0, 0] on the log scale at 99.9%" in text
+
+
+@pytest.mark.parametrize(("base", "cont", "verdict", "paired", "source", "why"), [
+    ("fail", "pass", "improvement", None, "baseline", "mean KL (k3) 1 above 0.01"),
+    ("pass", None, "inconclusive", None, "contender", "the contender run has no verdict of cold"),
+    ("inconclusive", "pass", "inconclusive", None, "baseline", "hit coverage 0.00 below 0.50"),
+    ("pass", "pass", "pass", None, "both", "no paired test of hit_coverage"),
+    ("pass", "pass", "pass", {"metric": "kl_k3_mean", "method": "threshold", "reason": None,
+                              "evidence": {"history": "too few samples (1 against 1)"}},
+     "both", "no paired test of hit_coverage: too few samples (1 against 1)")])
+def test_compare_decision(base, cont, verdict, paired, source, why):
+    results = {(1, "cold"): (base, "mean KL (k3) 1 above 0.01" if base == "fail"
+                             else "hit coverage 0.00 below 0.50")}
+    if cont is not None:
+        results[(2, "cold")] = (cont, None)
+    row = {"scenario": "cold", "metric": "hit_coverage", "baseline_run": 1, "contender_run": 2,
+           "baseline_verdict": base, "contender_verdict": cont, "verdict": verdict,
+           "paired": paired}
+    d = compare_decision(row, results, {})
+    assert (d["source"], d["reason"]) == (source, why)
+
+
+@pytest.mark.parametrize(("verdict", "reason", "judged", "decided"), [
+    ("pass", "", [], None), ("error", "engine died", [], None),
+    ("fail", "mean KL (k3) 0.05 above the limit 1e-08", [], "kl_k3_mean"),
+    ("fail", "not bit-exact under deterministic inference: extend KL (k3) 3e-07, 100.0% of "
+             "tokens exact", [], "extend_kl_k3_mean"),
+    ("fail", "accept length 1.200 below the floor 2.000", [], "accept_length"),
+    ("fail", "no speculative counters in the responses", [], "accept_length"),
+    ("inconclusive", "hit coverage 0.00 below 0.50: the cache path was not exercised", [],
+     "hit_coverage"),
+    # the stored verdicts decide, in judging's order: the generated tokens' KL before the extend's
+    ("fail", "x", [{"metric": "extend_kl_k3_mean", "verdict": "regression", "method": "history"},
+                   {"metric": "kl_k3_mean", "verdict": "regression", "method": "threshold"}],
+     "kl_k3_mean"),
+    ("fail", "x", [{"metric": "kl_k3_mean", "verdict": "pass", "method": "threshold"},
+                   {"metric": "accept_length", "verdict": "regression", "method": "history"}],
+     "accept_length")])
+def test_deciding_verdict(verdict, reason, judged, decided):
+    assert deciding_verdict(verdict, reason, judged)[0] == decided
 
 
 def regression_ids(client: TestClient) -> dict[tuple[str, str], int]:
@@ -516,3 +718,4 @@ def test_pages_need_the_read_token(store_dir):
         plotly = c.get("/vendor/plotly.min.js")
         assert plotly.status_code == 200 and len(plotly.content) > 1_000_000
         assert plotly.headers["content-type"].startswith("text/javascript")
+

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import func, select
 
+from evalsvc.jobs.builds import made_build_ref
 from evalsvc.metrics import summarize_kl
 from evalsvc.store.db import Store
 from evalsvc.store.models import (
@@ -111,6 +112,16 @@ def build_ref(sha: str, *, hours: float = 0, patches: list[str] | None = None,
     return BuildRef(repository=repository, sha=sha, committed_at=when, branch=branch,
                     patches=list(patches or []), probes={"sglang": "0.5.14"},
                     base_env={"python": "3.11"}, manifest={"files": 3})
+
+
+def sglang_build_ref(kind: str, location: str, ref: str | None = None, hours: float = 0) -> BuildRef:
+    """An SGLang build made from a source, as ``jobs.builds.made_build_ref`` records it."""
+    label = {"path": f"path:{location}", "git": f"git:{location}@{ref}",
+             "pypi": f"sglang=={ref}"}[kind]
+    manifest = {"kind": kind, "location": location, "source": label,
+                "commit" if kind == "git" else "version": ref, "patches": [],
+                "probes_after": [], "package_hash": hashlib.sha256(label.encode()).hexdigest()}
+    return made_build_ref(manifest, BASE_TIME + timedelta(hours=hours))
 
 
 def record(store: Store, results_dir: Path, job_id: str, build: BuildRef, results: list[RunResult],

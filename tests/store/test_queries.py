@@ -128,11 +128,14 @@ def test_metric_history_needs_a_fingerprint_or_config(history):
 def test_latest_per_config(history):
     with history.store.session() as s:
         rows = latest_per_config(s)
-    # commit 4 is the newest though commit 3's runs were recorded last
-    assert [(r["config"], r["commit"]) for r in rows] == [
-        ("cfg-a", ref(4)), ("cfg-b", ref(4)), ("cfg-c", ref(4)), ("cfg-full", ref(1))]
-    assert [r["run_id"] for r in rows] == [history.runs[(4, c, False)] for c in CONFIGS] + [
-        history.runs[(1, "cfg-full", False)]]
+    # commit 4 is the newest though commit 3's runs were recorded last; the patched build of
+    # commit 2 is a series of its own, not hidden behind the newer unpatched commits
+    assert [(r["config"], r["commit"], r["patch_set"]) for r in rows] == [
+        (c, ref(i), p) for c in CONFIGS for i, p in ((4, ""), (2, "fix-a,fix-b"))] + [
+        ("cfg-full", ref(1), "")]
+    assert [r["run_id"] for r in rows] == [
+        history.runs[(i, c, patched)] for c in CONFIGS for i, patched in ((4, False), (2, True))
+    ] + [history.runs[(1, "cfg-full", False)]]
     a = rows[0]
     assert set(a) == {"run_id", "config", "fingerprint", "commit", "patch_set", "verdict", "scenarios"}
     assert a["fingerprint"] == fingerprint_of("cfg-a") and a["patch_set"] == ""
@@ -147,11 +150,13 @@ def test_latest_per_config_by_matrix_and_branch(history):
         main_smoke = latest_per_config(s, matrix="smoke", branch="main")
         release = latest_per_config(s, branch="release")
         nothing = latest_per_config(s, matrix="nightly")
-    assert [(r["config"], r["commit"]) for r in smoke] == [(c, ref(4)) for c in CONFIGS]
+    assert [(r["config"], r["commit"]) for r in smoke] == [
+        (c, ref(i)) for c in CONFIGS for i in (4, 2)]
     assert [(r["config"], r["commit"]) for r in full] == [("cfg-full", ref(1))]
-    assert [(r["config"], r["commit"]) for r in main] == [(c, ref(3)) for c in CONFIGS] + [
-        ("cfg-full", ref(1))]
-    assert [(r["config"], r["commit"]) for r in main_smoke] == [(c, ref(3)) for c in CONFIGS]
+    assert [(r["config"], r["commit"]) for r in main] == [
+        (c, ref(i)) for c in CONFIGS for i in (3, 2)] + [("cfg-full", ref(1))]
+    assert [(r["config"], r["commit"]) for r in main_smoke] == [
+        (c, ref(i)) for c in CONFIGS for i in (3, 2)]
     assert [r["run_id"] for r in release] == [history.runs[(4, c, False)] for c in CONFIGS]
     assert nothing == []
 

@@ -3,6 +3,7 @@ the alerts they make (one per job and kind)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -117,12 +118,20 @@ def test_a_comparison_of_two_builds_is_judged_by_paired_samples(store, tmp_path)
         [row] = compare_builds(s, base, worse)
         assert (row["paired_verdict"], row["paired_test"]) == ("regression", "paired_t"), row
         assert "against" in row["paired_reason"]
+        # the whole judgement, for a page to show the test's own statistic and interval
+        paired = row["paired"]
+        assert (paired["metric"], paired["method"], paired["verdict"]) == (
+            "kl_k3_mean", "history", "regression")
+        assert paired["evidence"]["scale"] == "log" and paired["evidence"]["confidence"] > 0.9
+        low, high = paired["evidence"]["location_interval"]
+        assert 0 < low < high and paired["diff_low"] < paired["evidence"]["diff"]
+        json.dumps(row, allow_nan=False)  # as the API sends it
         [same] = compare_builds(s, base, alike)
         assert same["paired_verdict"] == "pass"
         [improved] = compare_builds(s, worse, base)
         assert improved["paired_verdict"] == "improvement"
         [other] = compare_builds(s, base, worse, metric="hit_coverage")
-        assert other["paired_verdict"] is None
+        assert other["paired_verdict"] is None and other["paired"] is None
 
 
 def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path):
