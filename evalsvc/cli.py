@@ -111,7 +111,9 @@ def run(
     from evalsvc.settings import Settings
     from evalsvc.workloads import WorkloadError
 
-    console = Console(width=max(Console().width, 150))
+    console = Console()  # a terminal's own width (the table fits 100 columns)
+    if not console.is_terminal:  # a pipe or a file: at least 150 columns (COLUMNS: more)
+        console = Console(width=max(console.width, 150))
     setup_logging(logging.WARNING)
     try:
         mat = load_matrix(matrix, allow_path=True)  # the operator may name a file
