@@ -113,7 +113,9 @@ def run(
     import time
     from dataclasses import replace
 
+    from pydantic import ValidationError
     from rich.console import Console
+    from rich.text import Text
 
     from evalsvc.builds.build import BuildError
     from evalsvc.engines.base import EngineSpec
@@ -122,6 +124,7 @@ def run(
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.settings import Settings
+    from evalsvc.validation import describe_errors
     from evalsvc.workloads import WorkloadError
 
     console = Console()  # a terminal's own width (the table fits 100 columns)
@@ -145,8 +148,12 @@ def run(
     if (source or patch) and (kind != "sglang" or not source):
         console.print("[red]error:[/] --source/--patch need --engine sglang and a --source")
         raise typer.Exit(2)
-    wanted = BuildSpec(source=source, patches=[*(patch or []),
-                                               *(f"defect:{d}" for d in inject_defect or [])])
+    try:  # the checks every client's build gets (a release names a version number)
+        wanted = BuildSpec(source=source, patches=[*(patch or []),
+                                                   *(f"defect:{d}" for d in inject_defect or [])])
+    except ValidationError as exc:
+        console.print(Text.assemble(("error:", "red"), f" --{describe_errors(exc, tidy=True)}"))
+        raise typer.Exit(2) from None
     base = EngineSpec(kind=kind, python=engine_python or (sys.executable if kind == "sglang"
                                                           else None))
     settings = Settings()

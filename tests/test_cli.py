@@ -112,3 +112,15 @@ def test_evalsvc_run_exits_1_for_a_failed_verdict_4_for_errored_runs(verdicts, u
     assert (EXIT_FAILED, EXIT_ERRORED) == (1, 4)
     results = [_result(f"c{i}", v) for i, v in enumerate(verdicts)]
     assert run_outcome(results, unrecorded) == (status, errored)
+
+
+def test_evalsvc_run_refuses_a_release_that_is_no_version_number_before_any_build(tmp_path):
+    res = subprocess.run([*CLI, "run", "sglang-cpu", "--engine", "sglang", "--no-store",
+                          "--source", "sglang==tree-ebeb8633e652", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120,
+                         env={**_env(), "COLUMNS": "250", "EVALSVC_DATA_DIR": str(tmp_path)})
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert ("error: --source: 'sglang==tree-ebeb8633e652': 'tree-ebeb8633e652' is not a version "
+            "number") in res.stdout
+    assert not (tmp_path / "o").exists() and not (tmp_path / "builds").exists()

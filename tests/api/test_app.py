@@ -66,7 +66,16 @@ REFUSED = [
     ({"matrix": "mamba-full", "builds": [{"source": "git:https://example.com/x.git@abc"}]},
      ["builds[0].source", "not an allowed build source"]),
     ({"matrix": "mamba-full", "builds": [{"source": "sglang==0.5.23; touch /tmp/pwned"}]},
-     ["builds[0].source"]),
+     ["builds.0.source", "not a version number"]),
+    # what the compare page once pre-filled for a path: build: no release has such a version
+    ({"matrix": "mamba-full", "builds": [{"source": "sglang==0.5.23"},
+                                         {"source": "sglang==tree-ebeb8633e652"}]},
+     ["builds.1.source", "'sglang==tree-ebeb8633e652'", "'tree-ebeb8633e652' is not a version "
+      "number"]),
+    ({"matrix": "mamba-full", "builds": [{"source": "pypi:latest"}]},
+     ["builds.0.source", "'pypi:latest'", "not a version number"]),
+    ({"matrix": "mamba-full", "builds": [{"source": "sglang=="}]},
+     ["builds.0.source", "not a version number"]),
     ({"matrix": "mamba-full", "builds": [{"source": "sglang==0.5.23", "patches": ["pr-nope"]}]},
      ["builds[0].patches", "pr-nope"]),
     ({"matrix": "mamba-full", "builds": [{}, {}, {}]}, ["builds"]),
