@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from rich.console import Console
 
 from evalsvc.evaluate import config_prefix, results_table
@@ -51,14 +52,8 @@ def words(text: str) -> list[str]:
     return text.split()
 
 
-def test_the_table_fits_100_columns_with_every_config_name_whole_and_unique():
-    text = render(RESULTS)
-    lines = text.splitlines()
-    assert max(len(line.rstrip()) for line in lines) <= 100
-    assert "…" not in text  # nothing cut with an ellipsis
-    title = " ".join(lines[0].split())
-    assert title == "sglang-cpu: 4 configs, 120 s; configs qwen3-next-tiny-*"
-    prefix = "qwen3-next-tiny-"
+def shown_names(lines: list[str]) -> list[str]:
+    """The config cells of a rendered table, a name folded onto more lines joined again."""
     rows = [line for line in lines if line.startswith("│")]
     cells = [row.split("│")[1].strip() for row in rows]
     # a name folded onto more lines is read back by joining the lines of its cell
@@ -70,7 +65,18 @@ def test_the_table_fits_100_columns_with_every_config_name_whole_and_unique():
             current = ""
         current += cell
     shown.append(current)
-    names = [prefix + s for s in shown]
+    return shown
+
+
+@pytest.mark.parametrize("width", [100, 80])
+def test_the_table_fits_its_width_with_every_config_name_whole_and_unique(width):
+    text = render(RESULTS, width)
+    lines = text.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= width
+    assert "…" not in text  # nothing cut with an ellipsis (at 80 columns, folded instead)
+    title = " ".join(text[:text.index("┏")].split())
+    assert title == "sglang-cpu: 4 configs, 120 s; configs qwen3-next-tiny-*"
+    names = ["qwen3-next-tiny-" + s for s in shown_names(lines)]
     assert list(dict.fromkeys(names)) == CONFIGS  # each config recovered, in order, told apart
 
 
