@@ -171,9 +171,9 @@ class JobRecord:
         """Write the job's end; returns its status (``end_job``: failed when every run errored)."""
         status = "cancelled" if self.runs else "failed" if self.failures else "done"
         error = "; ".join(self.failures) or None
-        status, _ = self.store.write(lambda s: end_job(s, self.job_id, status, error),
-                                     f"job {self.job_id}: its end")
-        return status
+        written, _ = self.store.write(lambda s: end_job(s, self.job_id, status, error),
+                                      f"job {self.job_id}: its end")
+        return written
 
 
 def describe(exc: BaseException) -> str:
