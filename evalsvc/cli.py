@@ -11,6 +11,15 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Accuracy and KL evaluation for SGLang's Mamba-hybrid serving paths.")
 
+# Exit status of the commands that evaluate (evalsvc run, evalsvc demo): 0 when every run
+# reached its verdict and passed; EXIT_FAILED when a run failed its verdict (fail, or invalid: the
+# engine did not run what was asked); else EXIT_ERRORED when a run reached no verdict (error: its
+# engine did not start or died, or it could not be recorded). Every command exits 2 on what it
+# refuses to start with (an unknown matrix, option or source; click's usage errors too) and
+# evalsvc serve 3 when the service did not start.
+EXIT_FAILED = 1
+EXIT_ERRORED = 4
+
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
                "help_option_names": []}
 
@@ -94,13 +103,19 @@ def run(
         help="real SGLang on a CPU: reference (torch, any x86-64 CPU) or kernel (SGLang's CPU "
              "kernel, AVX-512-BF16); default: the matrix's cpu_ops")] = None,
 ) -> None:
-    """Evaluate a configuration matrix: KL against the reference and acceptance, per scenario."""
+    """Evaluate a configuration matrix: KL against the reference and acceptance, per scenario.
+
+    Exits 0 when every run passed, 1 when a run failed its verdict (fail or invalid), else 4 when
+    a run errored (no verdict reached: its engine did not start or died, or it could not be
+    recorded), 2 when the matrix, an option or the build is refused before any run."""
     import json
     import logging
     import time
     from dataclasses import replace
 
+    from pydantic import ValidationError
     from rich.console import Console
+    from rich.text import Text
 
     from evalsvc.builds.build import BuildError
     from evalsvc.engines.base import EngineSpec
@@ -109,9 +124,12 @@ def run(
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.settings import Settings
+    from evalsvc.validation import describe_errors
     from evalsvc.workloads import WorkloadError
 
-    console = Console(width=max(Console().width, 150))
+    console = Console()  # a terminal's own width (the table fits 100 columns)
+    if not console.is_terminal:  # a pipe or a file: at least 150 columns (COLUMNS: more)
+        console = Console(width=max(console.width, 150))
     setup_logging(logging.WARNING)
     try:
         mat = load_matrix(matrix, allow_path=True)  # the operator may name a file
@@ -130,8 +148,12 @@ def run(
     if (source or patch) and (kind != "sglang" or not source):
         console.print("[red]error:[/] --source/--patch need --engine sglang and a --source")
         raise typer.Exit(2)
-    wanted = BuildSpec(source=source, patches=[*(patch or []),
-                                               *(f"defect:{d}" for d in inject_defect or [])])
+    try:  # the checks every client's build gets (a release names a version number)
+        wanted = BuildSpec(source=source, patches=[*(patch or []),
+                                                   *(f"defect:{d}" for d in inject_defect or [])])
+    except ValidationError as exc:
+        console.print(Text.assemble(("error:", "red"), f" --{describe_errors(exc, tidy=True)}"))
+        raise typer.Exit(2) from None
     base = EngineSpec(kind=kind, python=engine_python or (sys.executable if kind == "sglang"
                                                           else None))
     settings = Settings()
@@ -187,23 +209,37 @@ def run(
                   "engine": kind, "configs": configs or None, "build": ready.ref.ref,
                   "patches": ready.ref.patches})
     t0 = time.monotonic()
+    job_status = None
     try:
         results = evaluate(mat, cfgs, prompts, spec, out, console,
                            on_result=record.record if record else None)
     finally:
         if record is not None:
-            record.finish()
+            job_status = record.finish()  # failed when every run errored
             db.close()
     console.print(results_table(results, f"{mat.name}: {len(cfgs)} configs, "
                                          f"{time.monotonic() - t0:.0f} s"))
     console.print(f"results: {out}/summary.json, {out}/samples.parquet, logs in {out}/logs")
     if record is not None:
         patch_set = ready.ref.patch_set
-        console.print(f"recorded as job {job_id} of build {ready.ref.ref}"
+        console.print(f"recorded as job {job_id} ({job_status}) of build {ready.ref.ref}"
                       f"{' +' + patch_set if patch_set else ''} in "
                       f"{settings.resolved_database_url()}")
-    bad = [r for r in results if r.verdict in ("fail", "error", "invalid")]
-    raise typer.Exit(1 if bad or (record is not None and record.failures) else 0)
+    for failure in record.failures if record is not None else []:
+        console.print(f"not recorded: {failure}", markup=False, style="red")
+    status, errored = run_outcome(results, record.unrecorded if record is not None else set())
+    if errored:
+        console.print(f"[red]{len(errored)} of {len(results)} runs errored[/] (no verdict reached)")
+    raise typer.Exit(status)
+
+
+def run_outcome(results, unrecorded: set[str]) -> tuple[int, set[str]]:
+    """``evalsvc run``'s exit status for its results (EXIT_FAILED, EXIT_ERRORED or 0) and the
+    names of the configs whose run errored (``unrecorded``: those that could not be recorded)."""
+    errored = {r.config for r in results if r.verdict == "error"} | unrecorded
+    if any(r.verdict in ("fail", "invalid") for r in results):
+        return EXIT_FAILED, errored
+    return (EXIT_ERRORED if errored else 0), errored
 
 
 def _commit_time(text: str):

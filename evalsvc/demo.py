@@ -15,6 +15,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from evalsvc.cli import EXIT_ERRORED, EXIT_FAILED
 from evalsvc.engines.launch import EngineProcess, embedded_command, free_port
 from evalsvc.tls import tls_context
 from evalsvc.types import FINISHED_JOB_STATUSES
@@ -161,7 +162,10 @@ def run_service_demo(matrix: str, configs: list[str] | None = None,
                     if job["status"] in FINISHED_JOB_STATUSES:
                         break
                     time.sleep(1)
-            table = Table(title=f"{matrix}: job {job_id} {job['status']}")
+            errored = job.get("runs_errored", 0)
+            table = Table(title=f"{matrix}: job {job_id} {job['status']}"
+                                + (f", {errored} of {len(job['runs'])} runs errored" if errored
+                                   else ""))
             for col in ("config", "scenario", "KL k3 mean [95% CI]", "hit cov.", "accept len",
                         "verdict"):
                 table.add_column(col, no_wrap=True)
@@ -184,7 +188,9 @@ def run_service_demo(matrix: str, configs: list[str] | None = None,
             console.print(table)
             console.print("verdicts per scenario and metric: " + ", ".join(
                 f"{n} {k}" for k, n in sorted(judged.items())))
-            outcome = 0 if job["status"] == "done" else 1
+            # evalsvc run's exit status for runs that errored (a job whose every run errored is
+            # failed); else 0 for a job done, 1 for one failed or cancelled
+            outcome = EXIT_ERRORED if errored else 0 if job["status"] == "done" else EXIT_FAILED
             later = f"http://127.0.0.1:{settings.port}"
             console.print(
                 f"Where to read the results:\n"

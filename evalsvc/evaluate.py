@@ -14,9 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from evalsvc.engines.base import EngineSpec, engine_command, launch
 from evalsvc.engines.client import EngineClient
@@ -180,24 +181,59 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def results_table(results: list[RunResult], title: str) -> Table:
+VERDICT_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta",
+                 "error": "red"}
+
+
+def config_prefix(names: list[str]) -> str:
+    """What every config name starts with, up to and including its last ``-`` (so that each name
+    keeps a whole part of its own); "" for fewer than two names, or none shared."""
+    if len(set(names)) < 2:
+        return ""
+    first, last = min(names), max(names)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    prefix = first[:first.rfind("-", 0, n) + 1]
+    return "" if prefix in names else prefix  # none that would leave a name empty
+
+
+def results_table(results: list[RunResult], title: str) -> Group:
+    """The results of ``evalsvc run``: a row per config and scenario, then the reasons of the rows
+    that did not pass, each in full and numbered (the row names its number; rows with the same
+    reason share it). It fits 100 columns: the config names' common prefix goes in the title
+    (each cell holds the rest, so every name stays whole and unique), a too long name is folded
+    onto more lines, never cut, and a reason wraps between words."""
+    rows = summary_rows(results)
+    prefix = config_prefix([row["config"] for row in rows])
+    if prefix:
+        title = f"{title}; configs {prefix}*"
     table = Table(title=title)
-    for col in ("config", "scenario", "KL k3 mean [95% CI]", "extend KL", "hit cov.",
-                "accept len", "verdict"):
-        table.add_column(col, no_wrap=col != "config")
-    style = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta",
-             "error": "red"}
-    for row in summary_rows(results):
-        kl = row["kl_k3_mean"]
-        ci = row["kl_k3_ci"]
-        kl_text = "" if kl is None else f"{kl:.2e}" + (f" [{ci[0]:.1e}, {ci[1]:.1e}]" if ci else "")
-        acc = row["accept_length"]
-        cov = row["hit_coverage"]
+    table.add_column("config", overflow="fold")
+    table.add_column("scenario", no_wrap=True)
+    # the interval wraps under the mean where the width is short (it is one word, "[LOW,HIGH]");
+    # narrower still, a number is folded onto the next line, never cut
+    table.add_column("KL k3 mean\n[95% CI]", overflow="fold")
+    for col in ("extend\nKL", "hit\ncov.", "accept\nlen", "verdict"):
+        table.add_column(col, no_wrap=True)
+    notes: dict[str, int] = {}
+    for row in rows:
+        kl, ci = row["kl_k3_mean"], row["kl_k3_ci"]
+        kl_text = "" if kl is None else f"{kl:.2e}" + (f" [{ci[0]:.1e},{ci[1]:.1e}]" if ci else "")
+        acc, cov, ext = row["accept_length"], row["hit_coverage"], row["extend_kl_k3_mean"]
         verdict = row["verdict"]
-        ext = row["extend_kl_k3_mean"]
-        table.add_row(row["config"], row["scenario"] or "-", kl_text,
+        cell = Text(verdict, style=VERDICT_STYLE.get(verdict, "white"))
+        if verdict != "pass" and row["reason"]:
+            number = notes.setdefault(row["reason"], len(notes) + 1)
+            cell.append(f" [{number}]", style="dim")
+        table.add_row(Text(row["config"][len(prefix):]), row["scenario"] or "-", Text(kl_text),
                       "" if ext is None else f"{ext:.2e}", "" if cov is None else f"{cov:.2f}",
-                      "" if acc is None else f"{acc:.2f}",
-                      f"[{style.get(verdict, 'white')}]{verdict}[/]"
-                      + (f" ({row['reason'][:60]})" if verdict != "pass" and row["reason"] else ""))
-    return table
+                      "" if acc is None else f"{acc:.2f}", cell)
+    if not notes:
+        return Group(table)
+    reasons = Table.grid(padding=(0, 1))
+    reasons.add_column(no_wrap=True, style="dim")
+    reasons.add_column(overflow="fold")  # words wrap whole; only a word wider than the line folds
+    for reason, number in notes.items():
+        reasons.add_row(Text(f"[{number}]"), Text(reason))
+    return Group(table, reasons)

@@ -87,3 +87,40 @@ def _db_upgrade_hides_the_password(url) -> None:
     assert done.returncode == 0, done.stderr
     assert "at revision" in done.stdout and "***" in done.stdout
     assert "s3cret-pw" not in done.stdout + done.stderr
+
+
+def _result(config: str, verdict: str):
+    from evalsvc.types import RunResult
+
+    return RunResult(config=config, fingerprint=config, model="m", settings={},
+                     requested_args={}, verdict=verdict)
+
+
+@pytest.mark.parametrize(("verdicts", "unrecorded", "status", "errored"), [
+    (["pass", "pass"], set(), 0, set()),
+    (["pass", "inconclusive"], set(), 0, set()),
+    (["pass", "error"], set(), 4, {"c1"}),
+    (["error", "error"], set(), 4, {"c0", "c1"}),
+    (["pass", "pass"], {"c0"}, 4, {"c0"}),  # a run that could not be recorded errored
+    (["fail", "error"], set(), 1, {"c1"}),  # a failed verdict is the finding: 1, errors counted
+    (["invalid", "pass"], set(), 1, set()),
+])
+def test_evalsvc_run_exits_1_for_a_failed_verdict_4_for_errored_runs(verdicts, unrecorded,
+                                                                      status, errored):
+    from evalsvc.cli import EXIT_ERRORED, EXIT_FAILED, run_outcome
+
+    assert (EXIT_FAILED, EXIT_ERRORED) == (1, 4)
+    results = [_result(f"c{i}", v) for i, v in enumerate(verdicts)]
+    assert run_outcome(results, unrecorded) == (status, errored)
+
+
+def test_evalsvc_run_refuses_a_release_that_is_no_version_number_before_any_build(tmp_path):
+    res = subprocess.run([*CLI, "run", "sglang-cpu", "--engine", "sglang", "--no-store",
+                          "--source", "sglang==tree-ebeb8633e652", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120,
+                         env={**_env(), "COLUMNS": "250", "EVALSVC_DATA_DIR": str(tmp_path)})
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert ("error: --source: 'sglang==tree-ebeb8633e652': 'tree-ebeb8633e652' is not a version "
+            "number") in res.stdout
+    assert not (tmp_path / "o").exists() and not (tmp_path / "builds").exists()

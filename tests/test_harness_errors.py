@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -222,12 +223,14 @@ def test_missing_model_path_in_run_config_and_cli(tmp_path, no_engine_left_behin
     assert f"--model-path {MISSING_MODEL}: no such directory" in r.reason
     assert not wait_no_engines(no_engine_left_behind)
 
-    # the CLI: no traceback, an error row naming the path, exit code 1
+    # the CLI: no traceback, an error row naming the path, exit code 4 (runs errored)
     out = tmp_path / "out"
     res = run_cli(str(tmp_path / "gone.yaml"), "--out", str(out))
-    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.returncode == 4, res.stdout + res.stderr
     assert "Traceback" not in res.stdout + res.stderr
     assert MISSING_MODEL in res.stdout
+    assert "1 of 1 runs errored (no verdict reached)" in res.stdout
+    assert re.search(r"recorded as job cli-\S+ \(failed\)", res.stdout)  # its only run errored
     rows = json.loads((out / "summary.json").read_text())
     assert [row["verdict"] for row in rows] == ["error"]
     assert f"model {MISSING_MODEL}: not a local directory" in rows[0]["reason"]

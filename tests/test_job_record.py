@@ -13,9 +13,11 @@ from sqlalchemy import select
 from evalsvc.harness import decide
 from evalsvc.jobs.record import JobRecord
 from evalsvc.matrix import Config, load_matrix
+from evalsvc.store import queries
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job, Run, Verdict
 from evalsvc.store.record import BuildRef
+from evalsvc.types import RunResult
 from tests.store.factories import fingerprint_of, run_result
 
 pytestmark = pytest.mark.usefixtures("engines")
@@ -102,6 +104,64 @@ def test_a_run_that_cannot_be_recorded_fails_the_job_naming_it(db_url, engines, 
         job = s.get(Job, "cli-c")
         assert job.status == "failed" and f"run {run.id}: its samples" in job.error
     assert record.failures == [job.error]
+    store.close()
+
+
+def errored(name: str, reason: str) -> RunResult:
+    """A run that reached no verdict (its engine did not start)."""
+    return RunResult(config=name, fingerprint=fingerprint_of(name), model="hybrid-mamba2-tiny",
+                     settings={}, requested_args={}, verdict="error", reason=reason)
+
+
+def test_a_job_whose_only_run_errored_is_failed_naming_it(db_url, engines, tmp_path):
+    store = Store(db_url)
+    engines.append(store.engine)
+    record = start(store, tmp_path, "cli-d", ["m-eb"])
+    why = "engine did not start: engine exited with code 1 during start-up"
+    record.record(config("m-eb"), errored("m-eb", why))
+    assert record.finish() == "failed"
+    [run] = runs(store, "cli-d").values()
+    with store.session() as s:
+        job = s.get(Job, "cli-d")
+        assert job.status == "failed" and job.finished_at is not None
+        assert job.error == f"every run errored (1 of 1): run {run.id} (m-eb): {why}"
+        assert queries.errored_runs(s, ["cli-d"]) == {"cli-d": 1}
+        assert queries.job_detail(s, "cli-d")["runs_errored"] == 1
+    store.close()
+
+
+def test_a_job_with_some_errored_runs_is_done_counting_them(db_url, engines, tmp_path):
+    store = Store(db_url)
+    engines.append(store.engine)
+    names = ["m-eb", "m-nb", "m-auto"]
+    record = start(store, tmp_path, "cli-e", names)
+    record.record(config("m-eb"), errored("m-eb", "engine did not start"))
+    record.record(config("m-nb"), run_result("m-nb", {"cold": [1e-4] * 4}))
+    record.record(config("m-auto"), errored("m-auto", "the engine died"))
+    assert record.finish() == "done"
+    with store.session() as s:
+        job = s.get(Job, "cli-e")
+        assert (job.status, job.error) == ("done", None)
+        assert queries.errored_runs(s, ["cli-e", "no-such-job"]) == {"cli-e": 2}
+        assert queries.job_detail(s, "cli-e")["runs_errored"] == 2
+        [summary] = queries.job_summaries(s)
+        assert summary["runs_errored"] == 2 and summary["status"] == "done"
+    store.close()
+
+
+def test_an_errored_job_names_its_first_runs_and_counts_the_rest(db_url, engines, tmp_path):
+    store = Store(db_url)
+    engines.append(store.engine)
+    names = [f"m-{i}" for i in range(5)]
+    record = start(store, tmp_path, "cli-f", names)
+    for n in names:
+        record.record(config(n), errored(n, f"{n} refused"))
+    assert record.finish() == "failed"
+    with store.session() as s:
+        error = s.get(Job, "cli-f").error
+    assert error.startswith("every run errored (5 of 5): run ")
+    assert "(m-0): m-0 refused; run " in error and "(m-2): m-2 refused; and 2 more" in error
+    assert "m-3" not in error
     store.close()
 
 

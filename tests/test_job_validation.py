@@ -341,3 +341,24 @@ def test_seeds_are_bounded(client, tmp_path, field):
             f"workload.{field}")
     resp = client.post("/api/v1/jobs", json={"matrix": "smoke", "workload": {field: 2**63 - 1}})
     assert resp.status_code == 201, resp.text
+
+
+@pytest.mark.parametrize(("source", "ok"), [
+    ("sglang==0.5.23", True), ("pypi:sglang==0.5.3.post3", True), ("pypi:0.5.17", True),
+    (" sglang==0.5.17rc1 ", True), ("sglang==0.5.17+cpu", True),  # a local wheel in the cache
+    ("git:sgl-project/sglang@abc123", True), ("path:/src/sglang", True), (None, True),
+    ("sglang==tree-ebeb8633e652", False), ("pypi:sglang==latest", False), ("pypi:", False),
+    ("sglang==0.5.23; touch /tmp/x", False), ("sglang==", False),
+])
+def test_a_release_source_names_a_version_number_in_the_job_model(source, ok):
+    """The check is the job model's own (``BuildSpec``), so REST, the dashboard's form and the
+    CLI refuse alike, at submission."""
+    from pydantic import ValidationError
+
+    from evalsvc.jobs import BuildSpec, JobCreate
+
+    if ok:
+        assert BuildSpec(source=source).source == source
+        return
+    with pytest.raises(ValidationError, match="is not a version number"):
+        JobCreate(matrix="smoke", builds=[{"source": source}])

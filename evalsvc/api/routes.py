@@ -32,6 +32,8 @@ class JobPublic(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     error: str | None = None
+    runs_errored: int = Field(0, description="its runs that ended with verdict error (no verdict "
+                                             "reached); a job whose every run errored is failed")
 
 
 class RunProgress(BaseModel):
@@ -57,10 +59,11 @@ class GoldenCreate(BaseModel):
     label: Annotated[str | None, StorableText] = Field(None, max_length=200)
 
 
-def _public(job: Job) -> JobPublic:
+def _public(job: Job, runs_errored: int = 0) -> JobPublic:
     return JobPublic(id=job.id, trigger=job.trigger, status=job.status, priority=job.priority,
                      matrix=job.spec.get("matrix_name", ""), created_at=job.created_at,
-                     started_at=job.started_at, finished_at=job.finished_at, error=job.error)
+                     started_at=job.started_at, finished_at=job.finished_at, error=job.error,
+                     runs_errored=runs_errored)
 
 
 @router.post("/jobs", status_code=201, response_model=JobPublic, tags=["jobs"])
@@ -80,8 +83,9 @@ def read_jobs(session: SessionDep,
               trigger: Annotated[str | None, Query(max_length=20)] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobPublic]:
     """Jobs, newest first, filtered by status and trigger."""
-    return [_public(j) for j in queries.find_jobs(session, status=status, trigger=trigger,
-                                                  limit=limit)]
+    jobs = queries.find_jobs(session, status=status, trigger=trigger, limit=limit)
+    errored = queries.errored_runs(session, [j.id for j in jobs])
+    return [_public(j, errored.get(j.id, 0)) for j in jobs]
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail, tags=["jobs"])

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from evalsvc.bisect import BisectCreate
 from evalsvc.dashboard.views import job_form, page, problem, regression_page
-from evalsvc.jobs import BuildSpec, JobCreate, JobError
+from evalsvc.jobs import JobCreate, JobError
 from evalsvc.store import queries
 from evalsvc.store.audit import Actor
 from evalsvc.validation import describe_errors
@@ -205,8 +205,8 @@ def create_job_form(request: Request, services: ServicesDep, user: FormUser,
         return refused("num_prompts, priority: whole numbers")
     try:
         body = JobCreate(matrix=matrix, configs=configs or None,
-                         builds=[BuildSpec(source=source or None, patches=_patches(patches))
-                                 for source, patches in builds],
+                         builds=[{"source": source or None, "patches": _patches(patches)}
+                                 for source, patches in builds],  # errors: builds.N.FIELD
                          workload={"num_prompts": prompts} if prompts is not None else None,
                          track=bool(track), priority=rank)
     except ValidationError as exc:

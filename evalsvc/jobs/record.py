@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.matrix import Config
@@ -106,28 +106,52 @@ def cancel_pending(session, job_id: str) -> None:
                     .values(status="cancelled", finished_at=utcnow()))
 
 
-def end_job(session, job_id: str, status: str, error: str | None) -> None:
+def end_job(session, job_id: str, status: str, error: str | None) -> tuple[str, str | None]:
     """Write the end of a running job: its pending runs are cancelled, and a run still marked
-    running (its end could not be written) is an error."""
+    running (its end could not be written) is an error. A job ``done`` whose every run ended
+    ``error`` is ``failed`` instead, its error naming them (``all_errored``). Returns the status
+    and error written."""
     cancel_pending(session, job_id)
     session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
                     .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
                             reason=f"it ended but could not be recorded: {error or 'unknown'}"))
+    if status == "done":
+        every = all_errored(session, job_id)
+        if every is not None:
+            status, error = "failed", every
     session.execute(update(Job).where(Job.id == job_id, Job.status == "running")
                     .values(status=status, error=error, finished_at=utcnow()))
+    return status, error
+
+
+SHOWN_ERRORS = 3  # runs an all-errored job's error names
+
+
+def all_errored(session, job_id: str) -> str | None:
+    """When every run of a job ended ``error`` (none cancelled, at least one): the job's error,
+    naming the first runs and their reasons; else None."""
+    runs = session.execute(select(Run.id, Run.config, Run.status, Run.verdict, Run.reason)
+                           .where(Run.job_id == job_id).order_by(Run.id)).all()
+    if not runs or any(r.status != "done" or r.verdict != "error" for r in runs):
+        return None
+    named = "; ".join(f"run {r.id} ({r.config}): {r.reason or 'no reason recorded'}"
+                      for r in runs[:SHOWN_ERRORS])
+    more = f"; and {len(runs) - SHOWN_ERRORS} more" if len(runs) > SHOWN_ERRORS else ""
+    return f"every run errored ({len(runs)} of {len(runs)}): {named}{more}"
 
 
 class JobRecord:
     """A job that runs outside the service (``evalsvc run``), in the store as it runs: the job and
     its runs planned when it starts, each run recorded and judged as it ends (``record_result``),
-    and the job's end when it stops: done, failed naming the runs that could not be recorded, or
-    cancelled when it stopped before its runs ended (Ctrl-C)."""
+    and the job's end when it stops: done, failed naming the runs that could not be recorded (or
+    every run, when all errored), or cancelled when it stopped before its runs ended (Ctrl-C)."""
 
     def __init__(self, store: Store, results_dir: Path, job_id: str, runs: dict[str, int]) -> None:
         self.store, self.results_dir, self.job_id = store, results_dir, job_id
         self.run_ids = list(runs.values())  # in the order of the configs
         self.runs = runs  # fingerprint -> run id, of the runs not recorded yet
         self.failures: list[str] = []
+        self.unrecorded: set[str] = set()  # names of the configs whose run could not be recorded
 
     @classmethod
     def start(cls, store: Store, results_dir: Path, job_id: str, trigger: str, ref: BuildRef,
@@ -141,12 +165,15 @@ class JobRecord:
                                 self.runs.pop(config.fingerprint), result)
         if failure is not None:
             self.failures.append(failure)
+            self.unrecorded.add(config.name)
 
-    def finish(self) -> None:
+    def finish(self) -> str:
+        """Write the job's end; returns its status (``end_job``: failed when every run errored)."""
         status = "cancelled" if self.runs else "failed" if self.failures else "done"
         error = "; ".join(self.failures) or None
-        self.store.write(lambda s: end_job(s, self.job_id, status, error),
-                         f"job {self.job_id}: its end")
+        written, _ = self.store.write(lambda s: end_job(s, self.job_id, status, error),
+                                      f"job {self.job_id}: its end")
+        return written
 
 
 def describe(exc: BaseException) -> str:

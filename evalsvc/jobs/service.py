@@ -295,8 +295,9 @@ class JobService:
 
     def _finish(self, job_id: str, status: str, error: str | None) -> None:
         """Write the job's end, trying again while the store refuses (until the service stops).
-        A job whose cancel was answered ``cancelling`` ends cancelled. Its runs not started are
-        cancelled; one still marked running ended unrecorded (the store refused it): an error."""
+        A job whose cancel was answered ``cancelling`` ends cancelled, one whose every run errored
+        failed (``end_job``). Its runs not started are cancelled; one still marked running ended
+        unrecorded (the store refused it): an error."""
         counted = False
         pause = 1.0
         while True:
@@ -304,15 +305,16 @@ class JobService:
                 with self._lock:  # a cancel sees the job running and flags it, or sees it ended
                     if job_id in self._cancelled:
                         status, error = "cancelled", None
-                    if not counted:  # before the row: who sees the job finished sees it counted
-                        self._count(status)
-                        counted = True
                     self._failing = None  # set again below if this write fails too
                     with self.store.session() as s:
-                        end_job(s, job_id, status, error)
+                        # done: failed instead when every run errored
+                        written, _ = end_job(s, job_id, status, error)
+                        if not counted:  # before the commit: who sees it finished sees it counted
+                            self._count(written)
+                            counted = True
                     self._cancelled.discard(job_id)
                 self._ended_one()
-                log.info("job %s %s", job_id, status)
+                log.info("job %s %s", job_id, written)
                 return
             except Exception as exc:
                 self._failing = f"writing the end of job {job_id}: {describe(exc)}"

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evalsvc import validation
@@ -87,6 +88,30 @@ class BuildSpec(BaseModel):
     patches: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(
         default_factory=list, max_length=16,
         description="known fixes (SGLang) or defect:NAME (embedded engine)")
+
+    @field_validator("source")
+    @classmethod
+    def _release_version(cls, source: str | None) -> str | None:
+        """A release (``sglang==VERSION``, ``pypi:[sglang==]VERSION``) names a version number
+        (PEP 440), as its wheel is downloaded by: else it is refused here, for every client
+        (REST, the dashboard's form, the CLI), not failed when the job builds it."""
+        version = release_version(source)
+        if version is not None:
+            try:
+                Version(version)
+            except InvalidVersion:
+                raise ValueError(
+                    f"{source.strip()[:200]!r}: {version[:100]!r} is not a version number "
+                    "(PEP 440, e.g. sglang==0.5.23); a local tree is path:DIR, a commit "
+                    "git:REPOSITORY@COMMIT") from None
+        return source
+
+
+def release_version(source: str | None) -> str | None:
+    """The version a release source names (``sglang==VERSION``, ``pypi:sglang==VERSION``,
+    ``pypi:VERSION``, as ``builds.build.parse_source`` reads them), None for any other source."""
+    m = re.fullmatch(r"(?:pypi:)?sglang==(.*)|pypi:(.*)", (source or "").strip(), flags=re.S)
+    return None if m is None else (m.group(1) if m.group(1) is not None else m.group(2))
 
 
 class JobCreate(BaseModel):

@@ -178,6 +178,15 @@ def find_jobs(session: Session, *, status: str | None = None, trigger: str | Non
     return list(session.scalars(q))
 
 
+def errored_runs(session: Session, job_ids: list[str]) -> dict[str, int]:
+    """Per job, how many of its runs ended ``error`` (no verdict reached: the engine did not
+    start, died or could not be recorded); jobs without any are left out."""
+    if not job_ids:
+        return {}
+    return dict(session.execute(select(Run.job_id, func.count()).where(
+        Run.job_id.in_(job_ids), Run.verdict == "error").group_by(Run.job_id)).all())
+
+
 def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
     job = session.get(Job, job_id)
     if job is None:
@@ -189,6 +198,7 @@ def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
             "spec": job.spec, "created_at": job.created_at, "started_at": job.started_at,
             "finished_at": job.finished_at, "error": job.error,
             "cancel_requested_at": job.cancel_requested_at,
+            "runs_errored": sum(r.verdict == "error" for r in runs),
             "runs": [{"id": r.id, "config": r.config, "fingerprint": r.fingerprint,
                       "build_id": r.build_id, "build": r.build.commit.ref
                       + (f"+{r.build.patch_set}" if r.build.patch_set else ""),
@@ -448,7 +458,8 @@ def job_summaries(session: Session, *, status: str | None = None,
              "matrix": j.spec.get("matrix_name") or j.spec.get("matrix"),
              "created_at": j.created_at, "started_at": j.started_at,
              "finished_at": j.finished_at, "error": j.error, "progress": progress[j.id],
-             "verdicts": verdicts[j.id]} for j in jobs]
+             "verdicts": verdicts[j.id], "runs_errored": verdicts[j.id].get("error", 0)}
+            for j in jobs]
 
 
 def job_builds(session: Session, job_id: str) -> list[dict[str, Any]]:

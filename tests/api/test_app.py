@@ -66,7 +66,16 @@ REFUSED = [
     ({"matrix": "mamba-full", "builds": [{"source": "git:https://example.com/x.git@abc"}]},
      ["builds[0].source", "not an allowed build source"]),
     ({"matrix": "mamba-full", "builds": [{"source": "sglang==0.5.23; touch /tmp/pwned"}]},
-     ["builds[0].source"]),
+     ["builds.0.source", "not a version number"]),
+    # what the compare page once pre-filled for a path: build: no release has such a version
+    ({"matrix": "mamba-full", "builds": [{"source": "sglang==0.5.23"},
+                                         {"source": "sglang==tree-ebeb8633e652"}]},
+     ["builds.1.source", "'sglang==tree-ebeb8633e652'", "'tree-ebeb8633e652' is not a version "
+      "number"]),
+    ({"matrix": "mamba-full", "builds": [{"source": "pypi:latest"}]},
+     ["builds.0.source", "'pypi:latest'", "not a version number"]),
+    ({"matrix": "mamba-full", "builds": [{"source": "sglang=="}]},
+     ["builds.0.source", "not a version number"]),
     ({"matrix": "mamba-full", "builds": [{"source": "sglang==0.5.23", "patches": ["pr-nope"]}]},
      ["builds[0].patches", "pr-nope"]),
     ({"matrix": "mamba-full", "builds": [{}, {}, {}]}, ["builds"]),
@@ -109,6 +118,50 @@ def test_a_valid_job_is_queued_and_listed(client, tmp_path):
     # a queued job is cancelled at once
     assert client.post(f"/api/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
     assert client.get(f"/api/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+
+
+def test_jobs_count_their_errored_runs(client, tmp_path):
+    """A job with one run of two errored is done and says how many errored; one whose only run
+    errored is failed, naming it: in the list and in the job."""
+    from datetime import UTC, datetime
+
+    from evalsvc.jobs.record import JobRecord
+    from evalsvc.matrix import Config
+    from evalsvc.store.record import BuildRef
+    from evalsvc.types import RunResult
+    from tests.store.factories import fingerprint_of, run_result
+
+    def config(name: str) -> Config:
+        return Config(name=name, matrix="smoke", model="mamba2", settings={}, args={},
+                      fingerprint=fingerprint_of(name), scenarios=("cold",))
+
+    def errored(name: str) -> RunResult:
+        return RunResult(config=name, fingerprint=fingerprint_of(name), model="m", settings={},
+                         requested_args={}, verdict="error", reason="engine did not start")
+
+    store = Store(f"sqlite:///{tmp_path / 'app.db'}")
+    ref = BuildRef("sgl-project/sglang", sha="abc123", committed_at=datetime(2026, 3, 1, tzinfo=UTC))
+    try:
+        for job_id, names in (("cli-some", ["m-eb", "m-nb"]), ("cli-all", ["m-eb"])):
+            record = JobRecord.start(store, tmp_path / "results", job_id, "cli", ref, "smoke",
+                                     [config(n) for n in names], spec={"matrix_name": "smoke"})
+            record.record(config("m-eb"), errored("m-eb"))
+            if "m-nb" in names:
+                record.record(config("m-nb"), run_result("m-nb", {"cold": [1e-13] * 3}))
+            record.finish()
+    finally:
+        store.close()
+    listed = {j["id"]: j for j in client.get("/api/v1/jobs").json()}
+    assert {k: (j["status"], j["runs_errored"]) for k, j in listed.items()} == {
+        "cli-some": ("done", 1), "cli-all": ("failed", 1)}
+    assert listed["cli-some"]["error"] is None
+    assert listed["cli-all"]["error"].startswith("every run errored (1 of 1): run ")
+    some = client.get("/api/v1/jobs/cli-some").json()
+    assert (some["status"], some["runs_errored"]) == ("done", 1)
+    assert sorted(r["verdict"] for r in some["runs"]) == ["error", "pass"]
+    assert client.get("/api/v1/jobs", params={"status": "failed"}).json()[0]["id"] == "cli-all"
+    queued = client.post("/api/v1/jobs", json={"matrix": "smoke"}).json()
+    assert queued["runs_errored"] == 0
 
 
 def test_reads_of_matrices_and_missing_things(client):

@@ -340,6 +340,27 @@ def test_a_job_that_takes_the_service_down_is_failed_after_max_attempts(service_
     assert rows(db)[0] == [job]
 
 
+# ---- runs that error -------------------------------------------------------------------------
+def test_a_job_whose_runs_all_errored_is_failed_and_one_with_some_is_done(runner, monkeypatch):
+    """The engines of no_buffer configs die at start: a job of that config alone fails, naming
+    its run and the reason; a job with it and a config that serves is done, one run errored."""
+    monkeypatch.setenv("FAKE_SGLANG_MODE", "die_at_start")
+    monkeypatch.setenv("FAKE_SGLANG_WHEN", "mamba_radix_cache_strategy=no_buffer")
+    jobs = runner()
+    dies = {**MATRIX, "include": [{"strategy": "no_buffer", "overlap": True}]}
+    both = {**MATRIX, "include": [*MATRIX["include"], *dies["include"]]}
+    alone = wait_job(jobs.store, jobs.submit(JobCreate(matrix=dies)))
+    [run] = runs_of(jobs.store, alone.id)
+    assert (run.status, run.verdict) == ("done", "error")
+    assert alone.status == "failed", alone.error
+    assert alone.error.startswith(f"every run errored (1 of 1): run {run.id} ({run.config}): ")
+    assert "die_at_start" in alone.error  # the engine's own words, from the run's reason
+    mixed = wait_job(jobs.store, jobs.submit(JobCreate(matrix=both)))
+    assert (mixed.status, mixed.error) == ("done", None)
+    assert sorted(r.verdict for r in runs_of(jobs.store, mixed.id)) == ["error", "pass"]
+    assert jobs.counters.outcomes == {"failed": 1, "done": 1}
+
+
 # ---- writes that fail ------------------------------------------------------------------------
 def test_samples_that_cannot_be_written_fail_the_run_and_the_runner_goes_on(tmp_path, runner):
     """A file where the results directory should be: the run fails naming the path and the error,

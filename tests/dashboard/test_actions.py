@@ -139,6 +139,13 @@ def test_bad_form_input_names_the_field_and_stores_nothing(tmp_path, db_url, reg
         resp = c.post("/jobs", data={"matrix": "smoke", "baseline_patches": "defect:nope",
                                      "csrf_token": csrf})
         assert resp.status_code == 422 and "builds[0].patches: unknown &#39;defect:nope&#39;" in resp.text
+        # a release that is no version number: refused here, as by the API, not failed later
+        resp = c.post("/jobs", data={"matrix": "smoke", "second_build": "1",
+                                     "contender_source": "sglang==tree-ebeb8633e652",
+                                     "csrf_token": csrf})
+        assert resp.status_code == 422
+        assert ("builds.1.source: Value error, &#39;sglang==tree-ebeb8633e652&#39;: "
+                "&#39;tree-ebeb8633e652&#39; is not a version number") in resp.text
         reg = c.get(f"/api/v1/regressions/{regression_id}").json()
         assert reg["triage"] is None and reg["comment"] is None
     assert counts(db_url) == before

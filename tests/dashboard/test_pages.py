@@ -693,6 +693,36 @@ def test_empty_store_says_so(tmp_path):
         assert "No bisections." in c.get("/bisections").text
 
 
+def test_jobs_show_how_many_of_their_runs_errored(tmp_path):
+    """A job done with one errored run of two: the list and its page say 1 of 2 errored; a job
+    without errored runs says nothing of them."""
+    from evalsvc.types import RunResult
+
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        errored = RunResult(config=GDN, fingerprint=fingerprint_of(GDN), model="gdn",
+                            settings={}, requested_args={}, verdict="error",
+                            reason="engine did not start")
+        record(store, tmp_path / "results", "job-some", build_ref("aaa111"),
+               [results(MAMBA, "mamba2", CLEAN), errored])
+        record(store, tmp_path / "results", "job-clean", build_ref("bbb222", hours=1),
+               [results(MAMBA, "mamba2", CLEAN)])
+    finally:
+        store.close()
+    with make_client(tmp_path) as c:
+        jobs = c.get("/jobs").text
+        row = jobs[jobs.index('data-job="job-some"'):]
+        row = row[:row.index("</tr>")]
+        assert re.search(r'<td class="status"><span class="badge v-done">done</span> '
+                         r'<span class="runs-errored" title="[^"]+">1 of 2 runs errored</span>',
+                         row), row
+        page = c.get("/jobs/job-some").text
+        assert '<span class="runs-errored"' in page and "1 of 2 runs errored" in page
+        clean = jobs[jobs.index('data-job="job-clean"'):]
+        assert "errored" not in clean[:clean.index("</tr>")]
+        assert "errored" not in c.get("/jobs/job-clean").text
+
+
 @pytest.mark.parametrize("path", [
     "/jobs/no-such-job", "/runs/999999", "/runs/999999/samples/a",
     "/runs/1/samples/no-such-sample", "/runs/1/samples/a?scenario=host_tier",

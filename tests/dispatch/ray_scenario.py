@@ -18,7 +18,7 @@ machine is not reachable from the namespace). Steps, timed:
    in its own data directory; a second job whose patch does not apply to that source fails, naming
    the patch and the node.
 3. ``kill_twice``: a one-run job whose worker is killed in both attempts: the run is an error that
-   says so, and the job ends.
+   says so, and the job ends failed (its only run errored).
    ``too_wide``: a run with ``tp_size`` 4, more slots than any node offers: an error at once.
 4. ``cancel``: a job cancelled while its engines run.
 5. ``restart``: the Ray service SIGKILLed mid-job (Ray then kills its tasks' workers, and their

@@ -312,9 +312,9 @@ def test_job_detail(history):
         d = job_detail(s, "job-c3")
         assert job_detail(s, "no-such-job") is None
     assert set(d) == {"id", "trigger", "status", "priority", "spec", "created_at", "started_at",
-                      "finished_at", "cancel_requested_at", "error", "runs"}
-    assert (d["id"], d["trigger"], d["status"], d["priority"], d["spec"], d["error"]) == (
-        "job-c3", "cli", "done", 0, {"matrix": "smoke"}, None)
+                      "finished_at", "cancel_requested_at", "error", "runs_errored", "runs"}
+    assert (d["id"], d["trigger"], d["status"], d["priority"], d["spec"], d["error"],
+            d["runs_errored"]) == ("job-c3", "cli", "done", 0, {"matrix": "smoke"}, None, 0)
     assert as_utc(d["started_at"]) <= as_utc(d["finished_at"])
     assert as_utc(d["finished_at"]) <= datetime.now(UTC)
     assert d["cancel_requested_at"] is None  # never cancelled
