@@ -145,7 +145,8 @@ def run(
                           _commit_time(commit_time) if commit_time else None, branch)
         try:
             ready = ready_build(base, wanted,
-                                lambda src, ps, py: prepare_build(src, ps, py, builds), builds,
+                                lambda src, ps, py, _name=None: prepare_build(src, ps, py,
+                                                                              builds), builds,
                                 said)
             # the build this machine made, as each run of a job finds it where it runs
             spec = (engine_for(ready.engine, ready.request, builds)
