@@ -138,7 +138,7 @@ def run(
                                                *(f"defect:{d}" for d in inject_defect or [])])
     settings = Settings()
     if engine_env is not None:
-        from evalsvc.engine_envs import EngineEnvError, resolve
+        from evalsvc.builds.engine_envs import EngineEnvError, resolve
 
         if engine_python or kind != "sglang":
             console.print("[red]error:[/] --engine-env needs --engine sglang, and no "
@@ -558,7 +558,7 @@ def engine_envs_command(
     EVALSVC_ENGINE_ENVS, and what `make sglang-cpu` and the SGLang env builder made)."""
     import json
 
-    from evalsvc.engine_envs import listed
+    from evalsvc.builds.engine_envs import listed
     from evalsvc.settings import Settings
 
     envs = listed(Settings())

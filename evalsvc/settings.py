@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     engine_slots: int = 1  # runs at once (engines on this machine)
     engine_python: str | None = None  # python of the SGLang environment builds are laid over
     # SGLang environments jobs may name (engine_env), JSON: {"NAME": "/path/to/bin/python", ...};
-    # EVALSVC_ENGINE_PYTHON is the one named "default" (evalsvc/engine_envs.py)
+    # EVALSVC_ENGINE_PYTHON is the one named "default" (evalsvc/builds/engine_envs.py)
     engine_envs: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     # also name the environments `make sglang-cpu` and the SGLang env builder made where they make
     # them (the checkout's .venv-sglang-cpu, EVALSVC_SGLANG_ENV_DIR or ~/.cache/evalsvc/sglang-envs)

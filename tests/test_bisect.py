@@ -11,9 +11,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from evalsvc import engine_envs
 from evalsvc.bisect import BisectCreate, Bisector
-from evalsvc.builds import sglang_env
+from evalsvc.builds import engine_envs, sglang_env
 from evalsvc.cli import app as cli
 from evalsvc.dispatch.local import LocalDispatcher
 from evalsvc.jobs import JobError, JobService

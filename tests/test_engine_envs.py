@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from evalsvc import engine_envs, model_catalog
-from evalsvc.builds import sglang_cpu, sglang_env
+from evalsvc import model_catalog
+from evalsvc.builds import engine_envs, sglang_cpu, sglang_env
 from evalsvc.dispatch.ray_backend import worker_python
 from evalsvc.paths import MODELS_DIR, SGLANG_MODELS_DIR
 from evalsvc.settings import Settings

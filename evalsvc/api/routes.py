@@ -10,8 +10,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, Field
 
-from evalsvc import engine_envs, model_catalog
+from evalsvc import model_catalog
 from evalsvc.bisect import BisectCreate
+from evalsvc.builds import engine_envs
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import audit, queries

@@ -8,7 +8,7 @@ and stays the only writer of the store. Only this module imports ``ray`` (``pip 
 
 * Builds: the workers make the SGLang builds, over their own SGLang environment
   (``EVALSVC_ENGINE_PYTHON`` of the worker node, which wins over the service's; for a job that
-  names an environment, the node's own of that name, ``evalsvc.engine_envs``), in their own
+  names an environment, the node's own of that name, ``evalsvc.builds.engine_envs``), in their own
   builds cache (``EVALSVC_DATA_DIR/builds`` of the node): nothing is shared with the service but
   what travels through Ray. Before a job's runs, ``prepare_build`` makes each build on a node that
   offers slots and brings its manifest (or the installed SGLang release) back for the store; each
@@ -70,10 +70,10 @@ from pathlib import Path
 from typing import Any
 
 from evalsvc.builds.build import BuildError
+from evalsvc.builds.engine_envs import DEFAULT as DEFAULT_ENV
+from evalsvc.builds.engine_envs import engine_envs
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.dispatch.errors import DispatchError
-from evalsvc.engine_envs import DEFAULT as DEFAULT_ENV
-from evalsvc.engine_envs import engine_envs
 from evalsvc.harness import RunControl
 from evalsvc.settings import Settings
 from evalsvc.types import RunResult

@@ -23,9 +23,9 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from evalsvc.alerts import collect, deliver
+from evalsvc.builds.engine_envs import python_of
 from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
-from evalsvc.engine_envs import python_of
 from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.plan import plan_runs

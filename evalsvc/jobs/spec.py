@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evalsvc import validation
-from evalsvc.engine_envs import EngineEnvError, engine_envs
-from evalsvc.engine_envs import default_name as default_env
-from evalsvc.engine_envs import resolve as resolve_env
+from evalsvc.builds.engine_envs import EngineEnvError, engine_envs
+from evalsvc.builds.engine_envs import default_name as default_env
+from evalsvc.builds.engine_envs import resolve as resolve_env
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.defects import Defect
 from evalsvc.jobs.plan import UnknownConfigs, plan_runs

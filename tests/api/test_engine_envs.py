@@ -15,9 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from evalsvc import engine_envs
 from evalsvc.app import create_app
-from evalsvc.builds import sglang_env
+from evalsvc.builds import engine_envs, sglang_env
 from evalsvc.paths import MODELS_DIR
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store

@@ -19,7 +19,6 @@ is imported), and kept until a directory its packages lie in changes.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import threading
@@ -31,7 +30,6 @@ from evalsvc import children
 from evalsvc.builds import sglang_cpu, sglang_env
 from evalsvc.settings import Settings
 
-log = logging.getLogger("evalsvc.engine_envs")
 DEFAULT = "default"
 # where the builders make environments (tests point these elsewhere)
 SGLANG_CPU_ENV = sglang_cpu.DEFAULT_DEST
