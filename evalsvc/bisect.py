@@ -59,6 +59,9 @@ class BisectCreate(BaseModel):
                                            "the scenario")
     patches: list[str] = Field(default_factory=list, max_length=20)
     workload: dict[str, Any] | None = Field(None, description="overrides of the matrix workload")
+    engine_env: str | None = Field(None, min_length=1, max_length=64,
+                                   description="engine sglang: the SGLang environment of the "
+                                               "steps, by name (GET /api/v1/engine-envs)")
     regression_id: int | None = Field(None, ge=1, le=2**31 - 1,
                                       description="bisect this regression: the fields above "
                                                   "default to its series and commits")
@@ -79,6 +82,7 @@ class BisectSpec(BaseModel):
     metric: str | None = None
     patches: list[str] = Field(default_factory=list)
     workload: dict[str, Any] | None = None
+    engine_env: str | None = None
     regression_id: int | None = None
     candidates: list[str]
 
@@ -150,9 +154,10 @@ class Bisector:
                            f"(it runs {', '.join(cfg.scenarios)})")
         repo = fields["repository"]
         # the steps' job body, checked first (allowed sources before anything is cloned)
-        self.jobs.normalize(_step_body(fields["matrix"], fields["config"], fields["patches"],
-                                       fields.get("workload"), f"git:{repo}@{fields['bad']}"),
-                            trusted=trusted)
+        stored = self.jobs.normalize(_step_body(
+            fields["matrix"], fields["config"], fields["patches"], fields.get("workload"),
+            f"git:{repo}@{fields['bad']}", fields.get("engine_env")), trusted=trusted)
+        fields["engine_env"] = stored.get("engine_env")  # the steps run where the first did
         try:
             mirror = git_mirror(repo, self.jobs.settings.resolved_builds_dir())
             good = _resolve(mirror, fields["good"], "good")
@@ -183,7 +188,8 @@ class Bisector:
                     "bad": bad_commit.sha, "matrix": reg.matrix, "config": reg.config,
                     "scenario": reg.scenario, "metric": reg.metric,
                     "patches": [p for p in reg.patch_set.split(",") if p],
-                    "workload": _workload_overrides(job_spec)}
+                    "workload": _workload_overrides(job_spec),
+                    "engine_env": job_spec.get("engine_env")}
 
     # ---- running ---------------------------------------------------------------------------
     def start(self, bisect_id: str) -> None:
@@ -259,7 +265,7 @@ class Bisector:
     def _submit_step(self, bisect_id: str, spec: BisectSpec | dict[str, Any], sha: str) -> str:
         spec = BisectSpec.model_validate(spec) if isinstance(spec, dict) else spec  # as stored
         body = _step_body(spec.matrix, spec.config, spec.patches, spec.workload,
-                          f"git:{spec.repository}@{sha}")
+                          f"git:{spec.repository}@{sha}", spec.engine_env)
         job_id = self.jobs.submit(body, trigger="bisect", trusted=True,
                                   extra={"bisection": bisect_id, "bisection_sha": sha})
         with self.store.session() as s:  # counted when it starts, whatever its outcome
@@ -367,11 +373,11 @@ def first_bad(candidates: Sequence[T], is_bad: Callable[[T], bool]) -> T | None:
 
 
 def _step_body(matrix: str, config: str, patches: list[str], workload: dict[str, Any] | None,
-               source: str) -> JobCreate:
+               source: str, engine_env: str | None = None) -> JobCreate:
     """A step's job: the one config on the one commit, ahead of other jobs."""
     return JobCreate(matrix=matrix, configs=[config],
                      builds=[BuildSpec(source=source, patches=patches)], workload=workload,
-                     priority=100)
+                     engine_env=engine_env, priority=100)
 
 
 def _resolve(mirror, ref: str, what: str) -> str:

@@ -72,11 +72,15 @@ def run(
         help="embedded or sglang (default: the matrix's engine)")] = None,
     engine_python: Annotated[str | None, typer.Option(
         help="python of the SGLang engine build")] = None,
+    engine_env: Annotated[str | None, typer.Option(
+        help="the SGLang environment by its name (evalsvc engine-envs lists them), instead of "
+             "--engine-python")] = None,
     sglang_version: Annotated[str | None, typer.Option(
         help="SGLang release to spell flags for (default: the build's, else the one installed "
              "in --engine-python, else the newest)")] = None,
     model: Annotated[str | None, typer.Option(
-        help="model path replacing every model of the matrix")] = None,
+        help="model replacing every model of the matrix: a name (evalsvc models) or a path")]
+    = None,
     out: Annotated[Path | None, typer.Option(
         help="output directory (default: out/<matrix>-<time>)")] = None,
     dry_run: Annotated[bool, typer.Option(
@@ -154,9 +158,21 @@ def run(
     except ValidationError as exc:
         console.print(Text.assemble(("error:", "red"), f" --{describe_errors(exc, tidy=True)}"))
         raise typer.Exit(2) from None
+    settings = Settings()
+    if engine_env is not None:
+        from evalsvc.builds.engine_envs import EngineEnvError, resolve
+
+        if engine_python or kind != "sglang":
+            console.print("[red]error:[/] --engine-env needs --engine sglang, and no "
+                          "--engine-python")
+            raise typer.Exit(2)
+        try:
+            engine_python = resolve(settings, engine_env, "--engine-env").python
+        except EngineEnvError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
     base = EngineSpec(kind=kind, python=engine_python or (sys.executable if kind == "sglang"
                                                           else None))
-    settings = Settings()
     builds = settings.resolved_builds_dir()
     ready = None
     if kind == "embedded" or source or not dry_run:  # a dry run makes no build, but a source's
@@ -167,7 +183,8 @@ def run(
                           _commit_time(commit_time) if commit_time else None, branch)
         try:
             ready = ready_build(base, wanted,
-                                lambda src, ps, py: prepare_build(src, ps, py, builds), builds,
+                                lambda src, ps, py, _name=None: prepare_build(src, ps, py,
+                                                                              builds), builds,
                                 said)
             # the build this machine made, as each run of a job finds it where it runs
             spec = (engine_for(ready.engine, ready.request, builds)
@@ -182,6 +199,10 @@ def run(
                           version=installed_version(base.python))
     if sglang_version:  # the operator's release to spell flags for
         spec = replace(spec, version=sglang_version)
+    if model:  # a model's name (evalsvc models) is its directory
+        from evalsvc.model_catalog import named
+
+        model = named(model, kind, settings)
     try:
         cfgs, prompts = prepare(mat, spec, model, configs)
     except UnknownConfigs as exc:
@@ -456,6 +477,9 @@ def bisect(
     patch: Annotated[list[str] | None, typer.Option(help="patch (repeatable)")] = None,
     num_prompts: Annotated[int | None, typer.Option(help="workload size override")] = None,
     regression: Annotated[int | None, typer.Option(help="bisect this stored regression")] = None,
+    engine_env: Annotated[str | None, typer.Option(
+        help="engine sglang: the SGLang environment of the steps, by name (default: the "
+             "regression's, else the service's default)")] = None,
     server: Annotated[str | None, typer.Option(help="a running service to ask (its URL); "
                                                     "default: run here, in the local store")]
     = None,
@@ -469,7 +493,7 @@ def bisect(
     body = BisectCreate(repository=repository, good=good, bad=bad, config=config,
                         scenario=scenario, metric=metric, matrix=matrix, patches=patch or [],
                         workload={"num_prompts": num_prompts} if num_prompts else None,
-                        regression_id=regression)
+                        engine_env=engine_env, regression_id=regression)
 
     def show(step: dict) -> None:
         how = "stored run" if step["reused"] else f"job {step['job_id']}"
@@ -560,6 +584,50 @@ def _bisect_result(first_bad: str | None, runs_used: int, error: str | None) -> 
         typer.echo(f"bisection failed: {error}", err=True)
         raise typer.Exit(1)
     typer.echo(f"first bad commit: {first_bad} ({runs_used} run(s))")
+
+
+@app.command("engine-envs")
+def engine_envs_command(
+    as_json: Annotated[bool, typer.Option("--json", help="a JSON list")] = False,
+) -> None:
+    """The SGLang environments jobs may name (EVALSVC_ENGINE_PYTHON as `default`,
+    EVALSVC_ENGINE_ENVS, and what `make sglang-cpu` and the SGLang env builder made)."""
+    import json
+
+    from evalsvc.builds.engine_envs import listed
+    from evalsvc.settings import Settings
+
+    envs = listed(Settings())
+    if as_json:
+        typer.echo(json.dumps(envs, indent=2))
+        return
+    if not envs:
+        typer.echo("no SGLang environments (set EVALSVC_ENGINE_PYTHON or EVALSVC_ENGINE_ENVS, or "
+                   "make sglang-cpu)")
+    for e in envs:
+        what = e["problem"] or ", ".join(
+            f"{k} {e[k] or '-'}" for k in ("sglang", "torch", "kernel", "device")) + (
+            f", cpu ops {'/'.join(e['cpu_ops'])}" if e["cpu_ops"] else "")
+        typer.echo(f"{e['name']}{' (default)' if e['default'] else ''}: {what}")
+        typer.echo(f"    {e['python']} ({e['origin']})")
+
+
+@app.command("models")
+def models_command(
+    as_json: Annotated[bool, typer.Option("--json", help="a JSON list")] = False,
+) -> None:
+    """The models jobs may name: the shipped ones and those of EVALSVC_MODELS_DIR."""
+    import json
+
+    from evalsvc.model_catalog import listed
+    from evalsvc.settings import Settings
+
+    found = listed(Settings())
+    if as_json:
+        typer.echo(json.dumps(found, indent=2))
+        return
+    for m in found:
+        typer.echo(f"{m['name']}: {m['engine']}, {m['architecture'] or '?'} ({m['origin']})")
 
 
 db_app = typer.Typer(no_args_is_help=True, help="The results store's schema.")

@@ -310,6 +310,9 @@ class MatrixFile(Strict):
     run_timeout_s: float | None = Field(None, gt=0, le=7 * 86400)
     # real SGLang on a CPU: the ops of its gated-deltanet layers (CPU_OPS_VARIABLE); only there
     cpu_ops: Literal["reference", "kernel"] | None = None
+    # engine sglang: the SGLang environment (a name of GET /api/v1/engine-envs) of jobs that name
+    # none; unset: the service's default (EVALSVC_ENGINE_PYTHON)
+    default_engine_env: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
     @field_validator("name")
     @classmethod
@@ -378,6 +381,13 @@ class MatrixFile(Strict):
         if "page_size" in self.extra_args and ("page_size" in self.axes or any(
                 "page_size" in entry for entry in self.include)):
             raise ValueError("extra_args.page_size: the page_size axis sets it; give it there")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_env_name(self) -> MatrixFile:
+        if self.default_engine_env is not None and self.engine != "sglang":
+            raise ValueError("default_engine_env: only for engine: sglang (the embedded engine "
+                             "runs in the service's own environment)")
         return self
 
     @model_validator(mode="after")

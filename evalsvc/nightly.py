@@ -72,6 +72,7 @@ class Schedule(BaseModel):
     priority: int = 0
     configs: list[str] | None = None  # only these configs of the matrix
     workload: dict[str, Any] | None = None  # overrides of the matrix workload
+    engine_env: str | None = None  # engine sglang: the SGLang environment, by name (engine_envs)
 
 
 class NightlyFile(BaseModel):
@@ -157,7 +158,8 @@ def fire(schedule: Schedule, jobs: JobService, store: Store) -> str | None:
         log.info("nightly %s: %s already evaluated", schedule.name, target.key)
         return None
     body = JobCreate(matrix=schedule.matrix, builds=target.builds, priority=schedule.priority,
-                     configs=schedule.configs, workload=schedule.workload, track=True)
+                     configs=schedule.configs, workload=schedule.workload,
+                     engine_env=schedule.engine_env, track=True)
     job_id = jobs.submit(body, trigger="nightly", extra={"nightly_key": target.key}, trusted=True)
     log.info("nightly %s: submitted job %s for %s", schedule.name, job_id, target.key)
     return job_id

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Role = Literal["read", "write"]
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
+ENGINE_ENV_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # the names the single tokens and an open service act under (evalsvc/web/auth.py)
 RESERVED_USER_NAMES = ("api-token", "read-token", "anonymous")
 
@@ -68,6 +69,14 @@ class Settings(BaseSettings):
     session_https_only: bool = False  # the cookie's Secure flag: set it when served over HTTPS
     engine_slots: int = 1  # runs at once (engines on this machine)
     engine_python: str | None = None  # python of the SGLang environment builds are laid over
+    # SGLang environments jobs may name (engine_env), JSON: {"NAME": "/path/to/bin/python", ...};
+    # EVALSVC_ENGINE_PYTHON is the one named "default" (evalsvc/builds/engine_envs.py)
+    engine_envs: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    # also name the environments `make sglang-cpu` and the SGLang env builder made where they make
+    # them (the checkout's .venv-sglang-cpu, EVALSVC_SGLANG_ENV_DIR or ~/.cache/evalsvc/sglang-envs)
+    discover_engine_envs: bool = True
+    # models jobs may name besides the shipped ones: each subdirectory with a config.json
+    models_dir: Path | None = None
     # runs go to this Ray cluster (what ray.init(address=...) takes: HOST:6379, ray://HOST:10001
     # or auto) instead of the engine slots here; needs the ray extra
     ray_address: str | None = None
@@ -124,7 +133,40 @@ class Settings(BaseSettings):
             raise ValueError(f"not valid JSON ({exc}): a list of {{\"name\", \"role\", "
                              "\"token\" or \"token_sha256\"} objects") from None
 
-    @field_validator("trusted_user_header", "session_secret", mode="before")
+    @field_validator("engine_envs", mode="before")
+    @classmethod
+    def _engine_envs_json(cls, value):
+        """JSON in the environment; empty: none."""
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            return {}
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON ({exc}): an object of environment names and the "
+                             "paths of their pythons, {\"NAME\": \"/path/bin/python\"}") from None
+
+    @field_validator("engine_envs")
+    @classmethod
+    def _engine_env_names(cls, envs: dict[str, str]) -> dict[str, str]:
+        for name, python in envs.items():
+            if not ENGINE_ENV_NAME.fullmatch(name):
+                raise ValueError(f"{name[:80]!r} is not an environment name (letters, digits, "
+                                 "'.', '_', '-', at most 64)")
+            if not python.strip():
+                raise ValueError(f"{name}: an empty python path")
+        return envs
+
+    @model_validator(mode="after")
+    def _one_default_env(self) -> Settings:
+        if self.engine_python and "default" in self.engine_envs:
+            raise ValueError("engine_envs: 'default' is EVALSVC_ENGINE_PYTHON's name; give the "
+                             "default environment one way")
+        return self
+
+    @field_validator("trusted_user_header", "session_secret", "engine_python", "models_dir",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         """An empty variable (compose's ``${EVALSVC_SESSION_SECRET:-}``) sets nothing."""

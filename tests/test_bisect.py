@@ -12,12 +12,17 @@ import yaml
 from typer.testing import CliRunner
 
 from evalsvc.bisect import BisectCreate, Bisector
+from evalsvc.builds import engine_envs, sglang_env
 from evalsvc.cli import app as cli
 from evalsvc.dispatch.local import LocalDispatcher
 from evalsvc.jobs import JobError, JobService
+from evalsvc.matrix import expand, load_matrix
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Job
+from tests.builds.test_build import git
+
+FAKE_PYTHON = str(Path(__file__).parent / "data" / "fake-python")
 
 
 def make_repo(path: Path, defects: list[bool]) -> list[str]:
@@ -74,11 +79,50 @@ def test_bad_bisections_are_refused_naming_the_field(tmp_path, bisector):
     refused(r"bad: the same commit as good", bad=good)
     refused(r"repository: required", repository=None)
     refused(r"regression_id: no regression 7", regression_id=7)
+    refused(r"engine_env: only for engine sglang", engine_env="default")
     with bisector.store.session() as s:  # nothing stored
         assert s.query(Bisection).count() == 0 and s.query(Job).count() == 0
     bisect_id = bisector.submit(BisectCreate(**base), start=False, trusted=True)
     with bisector.store.session() as s:
         assert s.get(Bisection, bisect_id).candidates == [mid, bad]
+
+
+def test_the_steps_of_an_sglang_bisection_run_in_its_engine_environment(tmp_path, monkeypatch):
+    """The bisection names its environment (else it takes the service's default when it is
+    made), and every step's job runs there."""
+    repo = tmp_path / "sglang"
+    (repo / "python" / "sglang").mkdir(parents=True)
+    git(repo, "init", "-q", "-b", "main")
+    shas = []
+    for i in range(3):
+        (repo / "python" / "sglang" / "__init__.py").write_text(f"__version__ = '0.5.9{i}'\n")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", f"c{i}")
+        shas.append(git(repo, "rev-parse", "HEAD"))
+    monkeypatch.setattr(engine_envs, "SGLANG_CPU_ENV", tmp_path / "no-sglang-cpu")
+    monkeypatch.setenv(sglang_env.ENV_DIR_VARIABLE, str(tmp_path / "no-sglang-envs"))
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'b.db'}",
+                        engine_python=FAKE_PYTHON, engine_envs={"other": FAKE_PYTHON})
+    store = Store(settings.resolved_database_url())
+    bisector = Bisector(store, JobService(settings, store, None))
+    config = expand(load_matrix("mamba-full"))[0].name
+    base = {"repository": str(repo), "good": shas[0], "bad": shas[2], "matrix": "mamba-full",
+            "config": config, "scenario": "prefill_hit"}
+    try:
+        for named, expected in (("other", "other"), (None, "default")):
+            bisect_id = bisector.submit(BisectCreate(**base, engine_env=named), start=False,
+                                        trusted=True)
+            with store.session() as s:
+                spec = dict(s.get(Bisection, bisect_id).spec)
+            assert spec["engine_env"] == expected
+            job_id = bisector._submit_step(bisect_id, spec, shas[1])
+            with store.session() as s:
+                assert s.get(Job, job_id).spec["engine_env"] == expected
+        with pytest.raises(JobError, match=r"engine_env: unknown engine environment 'nope' "
+                                           r"\(known: default, other\)"):
+            bisector.submit(BisectCreate(**base, engine_env="nope"), start=False, trusted=True)
+    finally:
+        store.close()
 
 
 @pytest.mark.slow

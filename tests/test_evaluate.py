@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.launch import clean_env
 from evalsvc.evaluate import evaluate, prepare, summary_rows
 from evalsvc.matrix import load_matrix
+from evalsvc.paths import SGLANG_MODELS_DIR
 
 
 def evalsvc(*args: str) -> subprocess.CompletedProcess:
@@ -67,6 +69,36 @@ def test_dry_run_spells_the_release_installed_in_the_engine_python(tmp_path):
     assert len(lines) == 23 and all(argv[0] == str(python) for argv in lines)
     assert all("--mamba-scheduler-strategy" in argv and "--mamba-radix-cache-strategy" not in argv
                for argv in lines)
+
+
+def test_engine_env_names_the_sglang_environment_and_model_names_a_model(tmp_path):
+    """``--engine-env NAME`` beside ``--engine-python``: the environment of that name
+    (EVALSVC_ENGINE_ENVS), the release installed there spelled; ``--model NAME`` a shipped model's
+    directory; an unknown name exits 2 listing the known ones."""
+    site = tmp_path / "site" / "sglang-0.5.13.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.13\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site.parent} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    env = {**os.environ, "EVALSVC_ENGINE_ENVS": json.dumps({"old": str(python)}),
+           "EVALSVC_DISCOVER_ENGINE_ENVS": "false", "EVALSVC_DATA_DIR": str(tmp_path / "data")}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "evalsvc.cli", "run", *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    out = run("mamba-full", "--dry-run", "--engine-env", "old", "--model", "qwen3-next-tiny")
+    assert out.returncode == 0, out.stderr
+    lines = [without_env(json.loads(x)) for x in out.stdout.splitlines()]
+    assert len(lines) == 23 and all(argv[0] == str(python) for argv in lines)
+    assert all(argv[argv.index("--model-path") + 1] == str(SGLANG_MODELS_DIR / "qwen3-next-tiny")
+               for argv in lines)
+    out = run("mamba-full", "--dry-run", "--engine-env", "new")
+    assert out.returncode == 2 and "--engine-env: unknown engine environment 'new' (known: old)" \
+        in " ".join(out.stdout.split()), out.stdout + out.stderr
+    out = run("smoke", "--dry-run", "--engine-env", "old")
+    assert out.returncode == 2 and "--engine-env needs --engine sglang" in out.stdout
 
 
 def test_dry_run_shows_the_engine_environment_of_each_config(tmp_path):

@@ -17,7 +17,7 @@ FLOORS = {
     "evalsvc.logs": 0, "evalsvc.validation": 0, "evalsvc.children": 0, "evalsvc.tls": 0,
     "evalsvc.engines": 1, "evalsvc.metrics": 1, "evalsvc.matrix": 1, "evalsvc.store": 1,
     "evalsvc.builds": 1, "evalsvc.workloads": 1, "evalsvc.tokenization": 1,
-    "evalsvc.thresholds": 1, "evalsvc.judging": 1,
+    "evalsvc.thresholds": 1, "evalsvc.judging": 1, "evalsvc.model_catalog": 1,
     "evalsvc.harness": 2, "evalsvc.scenarios": 2,
     "evalsvc.dispatch": 3,
     "evalsvc.jobs": 4, "evalsvc.bisect": 4, "evalsvc.verdicts": 4, "evalsvc.alerts": 4,

@@ -10,7 +10,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, Field
 
+from evalsvc import model_catalog
 from evalsvc.bisect import BisectCreate
+from evalsvc.builds import engine_envs
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import audit, queries
@@ -216,6 +218,21 @@ def read_matrix(name: Annotated[str, Path(max_length=100, pattern=r"^[A-Za-z0-9_
             "configs": [{"name": c.name, "model": c.model, "fingerprint": c.fingerprint,
                          "settings": c.settings, "args": c.args, "scenarios": list(c.scenarios)}
                         for c in expand(m)]}
+
+
+@router.get("/engine-envs", tags=["matrices"])
+def read_engine_envs(services: ServicesDep) -> list[dict[str, Any]]:
+    """The SGLang environments jobs may name (``engine_env``): each with its SGLang and torch
+    releases, its kernel package, the CPU ops it serves with, and CPU or GPU; ``default`` marks
+    the one of jobs that name none."""
+    return engine_envs.listed(services.settings)
+
+
+@router.get("/models", tags=["matrices"])
+def read_models(services: ServicesDep) -> list[dict[str, Any]]:
+    """The models jobs may name (``model``): the shipped ones and those of EVALSVC_MODELS_DIR,
+    each with the engine that serves it and its architecture."""
+    return model_catalog.listed(services.settings)
 
 
 @router.get("/golden", tags=["results"])

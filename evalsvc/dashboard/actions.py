@@ -186,17 +186,20 @@ def create_job_form(request: Request, services: ServicesDep, user: FormUser,
                     baseline_source: FormText = "", baseline_patches: FormText = "",
                     second_build: FormText = "", contender_source: FormText = "",
                     contender_patches: FormText = "", num_prompts: FormText = "",
-                    track: FormText = "", priority: FormText = "0") -> Any:
+                    track: FormText = "", priority: FormText = "0", engine_env: FormText = "",
+                    model: FormText = "") -> Any:
     """Post a job: a matrix, or some of its configs, on one build or two (say a commit with and
     without a fix, compared when it is done)."""
     builds = [(baseline_source.strip(), baseline_patches.strip())]
     if second_build:
         builds.append((contender_source.strip(), contender_patches.strip()))
-    values = {"num_prompts": num_prompts, "track": bool(track), "priority": priority}
+    values = {"num_prompts": num_prompts, "track": bool(track), "priority": priority,
+              "engine_env": engine_env, "model": model}
 
     def refused(error: str) -> HTMLResponse:
         return page(request, "job_new.html", 422, title="Post a job",
-                    form=job_form(matrix, configs or [], builds, **values, error=error))
+                    form=job_form(matrix, configs or [], builds, services.settings, **values,
+                                  error=error))
 
     try:
         prompts = int(num_prompts) if num_prompts.strip() else None
@@ -208,6 +211,7 @@ def create_job_form(request: Request, services: ServicesDep, user: FormUser,
                          builds=[{"source": source or None, "patches": _patches(patches)}
                                  for source, patches in builds],  # errors: builds.N.FIELD
                          workload={"num_prompts": prompts} if prompts is not None else None,
+                         engine_env=engine_env.strip() or None, model=model.strip() or None,
                          track=bool(track), priority=rank)
     except ValidationError as exc:
         return refused(describe_errors(exc))

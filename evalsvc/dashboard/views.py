@@ -23,10 +23,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 from sqlalchemy.orm import Session
 
+from evalsvc import model_catalog
+from evalsvc.builds import engine_envs
 from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import extend_tokens, read_sample, sample_tokens, top_candidates
 from evalsvc.judging import LABELS, METRICS
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
+from evalsvc.settings import Settings
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Regression, Run
 from evalsvc.thresholds import load_thresholds
@@ -277,10 +280,17 @@ def source_of(session: Session, ref: str | None, patch_set: str = "") -> str:
 
 
 def job_form(matrix: str | None = None, configs: Iterable[str] = (),
-             builds: list[tuple[str, str]] | None = None, **values: Any) -> dict[str, Any]:
+             builds: list[tuple[str, str]] | None = None, settings: Settings | None = None,
+             **values: Any) -> dict[str, Any]:
     """What the job form shows: the matrices under configs/, the chosen one's configs (those in
-    ``configs`` ticked; none ticked: all), one or two builds as (source, patches), and the other
-    fields' values (``num_prompts``, ``track``, ``priority``, ``error``)."""
+    ``configs`` ticked; none ticked: all), one or two builds as (source, patches), with
+    ``settings`` the engine environments and models jobs may name (as the API lists them), and the
+    other fields' values (``num_prompts``, ``track``, ``priority``, ``engine_env``, ``model``,
+    ``error``)."""
+    choices: dict[str, Any] = {"engine_envs": [], "models": []}
+    if settings is not None:
+        choices = {"engine_envs": engine_envs.listed(settings),
+                   "models": model_catalog.listed(settings)}
     names = matrix_names()
     if matrix not in names:
         matrix = "smoke" if "smoke" in names else (names[0] if names else None)
@@ -293,7 +303,7 @@ def job_form(matrix: str | None = None, configs: Iterable[str] = (),
             "checked": [c for c in configs if c in all_configs],
             "baseline": builds[0], "contender": builds[1] if len(builds) > 1 else builds[0],
             "second_build": len(builds) > 1, "num_prompts": "", "track": False, "priority": 0,
-            "error": None, **values}
+            "engine_env": "", "model": "", "error": None, **choices, **values}
 
 
 Patches = Annotated[str, Query(max_length=500)]
@@ -307,7 +317,8 @@ def read_new_job_page(request: Request, session: SessionDep, matrix: Text = None
                       second_build: Text = None,
                       configs: Annotated[list[str] | None, Query(max_length=1000)] = None,
                       num_prompts: Annotated[str, Query(max_length=20)] = "",
-                      track: Text = None) -> HTMLResponse:
+                      track: Text = None, engine_env: Text = None,
+                      model: Text = None) -> HTMLResponse:
     """The form that posts a job: a matrix (or some of its configs) on a commit, or on two builds
     (a commit with and without a fix); prefilled from a commit (``baseline``, ``contender``:
     stored commit refs) or from the form's own fields (``*_source``)."""
@@ -319,8 +330,9 @@ def read_new_job_page(request: Request, session: SessionDep, matrix: Text = None
                   else source_of(session, contender, contender_patches) if contender else first)
         builds.append((second, contender_patches))
     return page(request, "job_new.html", title="Post a job",
-                form=job_form(matrix, configs or [], builds, num_prompts=num_prompts,
-                              track=bool(track)))
+                form=job_form(matrix, configs or [], builds, request.app.state.settings,
+                              num_prompts=num_prompts, track=bool(track),
+                              engine_env=engine_env or "", model=model or ""))
 
 
 def log_tail(path: str | None) -> str | None:

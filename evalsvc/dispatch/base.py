@@ -186,9 +186,10 @@ def _need_python(python: str | None) -> str:
 class Dispatcher(Protocol):
     slots: int
 
-    def prepare_build(self, source: str | None, patches: list[str],
-                      python: str | None) -> dict[str, Any]:
-        """``prepare_build`` on a machine where the runs will go; BuildError if it fails there."""
+    def prepare_build(self, source: str | None, patches: list[str], python: str | None,
+                      env_name: str | None = None) -> dict[str, Any]:
+        """``prepare_build`` on a machine where the runs will go, over the SGLang environment
+        ``python`` (there: the one named ``env_name``); BuildError if it fails there."""
 
     def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
                on_engine: Callable[[int], None] | None = None) -> Future:

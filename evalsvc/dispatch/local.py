@@ -42,8 +42,8 @@ class LocalDispatcher:
             with self._lock:
                 self._controls.pop(task.run_id, None)
 
-    def prepare_build(self, source: str | None, patches: list[str],
-                      python: str | None) -> dict[str, Any]:
+    def prepare_build(self, source: str | None, patches: list[str], python: str | None,
+                      env_name: str | None = None) -> dict[str, Any]:
         return prepare_build(source, patches, python, self.builds_dir)
 
     def cancel_job(self, job_id: str) -> None:

@@ -7,7 +7,8 @@ and stays the only writer of the store. Only this module imports ``ray`` (``pip 
 'evalsvc[ray]'``), and only when a ``RayDispatcher`` is made.
 
 * Builds: the workers make the SGLang builds, over their own SGLang environment
-  (``EVALSVC_ENGINE_PYTHON`` of the worker node, which wins over the service's), in their own
+  (``EVALSVC_ENGINE_PYTHON`` of the worker node, which wins over the service's; for a job that
+  names an environment, the node's own of that name, ``evalsvc.builds.engine_envs``), in their own
   builds cache (``EVALSVC_DATA_DIR/builds`` of the node): nothing is shared with the service but
   what travels through Ray. Before a job's runs, ``prepare_build`` makes each build on a node that
   offers slots and brings its manifest (or the installed SGLang release) back for the store; each
@@ -69,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 from evalsvc.builds.build import BuildError
+from evalsvc.builds.engine_envs import DEFAULT as DEFAULT_ENV
+from evalsvc.builds.engine_envs import engine_envs
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.dispatch.errors import DispatchError
 from evalsvc.harness import RunControl
@@ -172,17 +175,23 @@ def assigned_slot_ids(resource: str) -> list[str]:
 _logging_set_up = False
 
 
-def worker_python(python: str | None, node_python: str | None) -> str | None:
-    """The SGLang python on this node: its own (``node_python``, the node's
-    ``EVALSVC_ENGINE_PYTHON``), else the service's."""
-    return node_python or python
+def worker_python(python: str | None, node: Settings, env_name: str | None = None) -> str | None:
+    """The SGLang python on this node: the environment the job named (``env_name``) as this node
+    knows it (its ``EVALSVC_ENGINE_ENVS``, or what its builders made), else the service's
+    ``python``; for a job on the default environment, the node's ``EVALSVC_ENGINE_PYTHON``, else
+    the service's."""
+    if env_name is None or env_name == DEFAULT_ENV:
+        return node.engine_python or python
+    own = engine_envs(node).get(env_name)
+    return own.python if own is not None else python
 
 
-def prepare_on_worker(source: str | None, patches: list[str], python: str | None) -> dict:
+def prepare_on_worker(source: str | None, patches: list[str], python: str | None,
+                      env_name: str | None = None) -> dict:
     """The Ray task of ``RayDispatcher.prepare_build``: the build made on this node (the node's
     own settings are read here, where its task starts)."""
     node = Settings()
-    return prepare_build(source, patches, worker_python(python, node.engine_python),
+    return prepare_build(source, patches, worker_python(python, node, env_name),
                          node.resolved_builds_dir())
 
 
@@ -266,7 +275,7 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
     engine = {**task.engine, "env": env, "die_with_parent": True, "unset_env": ray_added_env()}
     node = Settings()  # this node's own, read where its task starts
     if engine["kind"] == "sglang":
-        engine["python"] = worker_python(engine.get("python"), node.engine_python)
+        engine["python"] = worker_python(engine.get("python"), node, engine.get("env_name"))
     log_dir = run_dir(task.run_id)
     local = dataclasses.replace(task, engine=engine, log_dir=str(log_dir))
     key = machine_key()
@@ -390,8 +399,8 @@ class RayDispatcher:
         self._wake.set()
         return future
 
-    def prepare_build(self, source: str | None, patches: list[str],
-                      python: str | None) -> dict[str, Any]:
+    def prepare_build(self, source: str | None, patches: list[str], python: str | None,
+                      env_name: str | None = None) -> dict[str, Any]:
         """``prepare_build`` on an alive node that offers slots (one that takes runs), placed there
         alone (no slot taken): its answer, or a BuildError naming the node."""
         ray = self._ray
@@ -409,7 +418,7 @@ class RayDispatcher:
         ref = self._prepare.options(
             num_cpus=0, max_retries=self.retries, name="evalsvc-build",
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote(source, list(patches), python)
+        ).remote(source, list(patches), python, env_name)
         t0 = time.monotonic()
         try:
             info = ray.get(ref, timeout=BUILD_SECONDS)

@@ -20,6 +20,8 @@ from evalsvc.engines.sglang_server import build_command, build_flags, engine_fla
 class EngineSpec:
     kind: Literal["embedded", "sglang"] = "embedded"
     python: str | None = None  # the engine build's python (sglang); default: this one
+    # the name of that python's environment (builds.engine_envs), by which a Ray node finds its own
+    env_name: str | None = None
     version: str | None = None  # SGLang release the command line is spelled for (None: newest)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 120.0

@@ -20,9 +20,10 @@ SGLANG_REPOSITORY = "sgl-project/sglang"
 
 
 class Prepare(Protocol):
-    def __call__(self, source: str | None, patches: list[str],
-                 python: str | None) -> dict[str, Any]:
-        """``dispatch.base.prepare_build`` where the runs go; BuildError if it cannot be made."""
+    def __call__(self, source: str | None, patches: list[str], python: str | None,
+                 env_name: str | None = None) -> dict[str, Any]:
+        """``dispatch.base.prepare_build`` where the runs go, over the SGLang environment
+        ``python`` (named ``env_name``); BuildError if it cannot be made."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def ready_build(base: EngineSpec, build: BuildSpec | dict[str, Any], prepare: Pr
         return ReadyBuild(replace(base, env={**base.env, **eb.env}), ref, None)
     from evalsvc.dispatch.base import InstalledBuild, build_info
 
-    info = build_info(prepare(b.source, b.patches, base.python))
+    info = build_info(prepare(b.source, b.patches, base.python, base.env_name))
     if isinstance(info, InstalledBuild):  # the SGLang installed in the engine's python
         ref = BuildRef(said.repository or SGLANG_REPOSITORY, sha=said.commit,
                        version=None if said.commit else info.version, committed_at=when,

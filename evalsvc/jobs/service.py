@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from evalsvc.alerts import collect, deliver
+from evalsvc.builds.engine_envs import python_of
 from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
@@ -352,8 +353,10 @@ class JobService:
         self._check_cancelled(job_id)
         prompts = load_prompts(matrix.workload)
         version = workload_version(matrix.workload, prompts)
-        base = EngineSpec(kind=spec.engine, python=self.settings.engine_python
-                          if spec.engine == "sglang" else None)
+        base = EngineSpec(kind=spec.engine)
+        if spec.engine == "sglang":  # the environment named when it was submitted
+            base = EngineSpec(kind="sglang", python=python_of(self.settings, spec.engine_env),
+                              env_name=spec.engine_env)
         self._check_cancelled(job_id)
         by_model = tokenized(matrix, base, prompts)
         log_dir = inside(self.settings.data_dir, "logs", job_id)

@@ -21,10 +21,15 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evalsvc import validation
+from evalsvc.builds.engine_envs import EngineEnvError, engine_envs
+from evalsvc.builds.engine_envs import default_name as default_env
+from evalsvc.builds.engine_envs import resolve as resolve_env
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.defects import Defect
 from evalsvc.jobs.plan import UnknownConfigs, plan_runs
 from evalsvc.matrix import MatrixError, MatrixFile, WorkloadSpec, describe_errors, load_matrix
+from evalsvc.model_catalog import ModelError, resolve_model
+from evalsvc.model_catalog import named as named_model
 from evalsvc.paths import shipped_model_dir
 from evalsvc.settings import Settings
 
@@ -123,8 +128,14 @@ class JobCreate(BaseModel):
     engine: Literal["embedded", "sglang"] | None = Field(None, description="default: the matrix's")
     builds: list[BuildSpec] | None = Field(None, min_length=1, max_length=2,
                                            description="two builds yield their comparison")
+    engine_env: str | None = Field(None, min_length=1, max_length=64,
+                                   description="engine sglang: the SGLang environment, by its "
+                                               "name (GET /api/v1/engine-envs); default: the "
+                                               "matrix's default_engine_env, else the service's "
+                                               "default")
     model: str | None = Field(None, min_length=1, max_length=500,
-                              description="model path replacing the matrix's models")
+                              description="a model replacing the matrix's models, by its name "
+                                          "(GET /api/v1/models), or for SGLang a hub id")
     workload: dict[str, Any] | None = Field(None, description="overrides of the matrix workload")
     reference: dict[str, Any] | None = Field(None, description="reference override")
     configs: list[str] | None = Field(None, min_length=1, max_length=1000,
@@ -172,6 +183,9 @@ class JobSpec(BaseModel):
     builds: list[BuildSpec]
     configs: list[str] | None = None
     model: str | None = None
+    # engine sglang: the SGLang environment's name (engine_envs); None: EVALSVC_ENGINE_PYTHON (or
+    # on Ray, each node's own)
+    engine_env: str | None = None
     track: bool = False
     # what submitted it, when not a client: a nightly schedule's target, a bisection's step
     nightly_key: str | None = None
@@ -181,7 +195,8 @@ class JobSpec(BaseModel):
     def stored(self) -> dict[str, Any]:
         """The job's JSON in the store (the submitters' keys only when given)."""
         return self.model_dump(mode="json", exclude={
-            k for k in ("nightly_key", "bisection", "bisection_sha") if getattr(self, k) is None})
+            k for k in ("engine_env", "nightly_key", "bisection", "bisection_sha")
+            if getattr(self, k) is None})
 
 
 def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> JobSpec:
@@ -208,9 +223,17 @@ def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> 
         matrix.check_engine_flags(engine)
     except ValueError as exc:
         raise JobError(f"matrix.{exc}") from None
+    # a client names models by name, or directories under the model roots (model_catalog); the
+    # matrices in configs/ (and the operator's schedules, bisections and CLI) may name their own
+    from_client = not trusted
     if body.model is not None:
+        path = (_client_model(body.model, engine, settings, "model") if from_client
+                else named_model(body.model, engine, settings))
         for entry in matrix.models.values():
-            entry.path = body.model
+            entry.path = path
+    elif from_client and not isinstance(body.matrix, str):
+        for key, entry in matrix.models.items():
+            entry.path = _client_model(entry.path, engine, settings, f"matrix.models.{key}.path")
     for key, entry in matrix.models.items():
         _check_model(engine, key, entry.path)
     if body.workload:
@@ -253,11 +276,44 @@ def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> 
     _check_job_size(matrix, settings, len(configs), len(builds))
     for i, b in enumerate(builds):
         _check_build(engine, i, b, trusted, settings)
-    if engine == "sglang" and not settings.engine_python and not settings.ray_address:
-        raise JobError("engine sglang: this service has no SGLang environment "
-                       "(EVALSVC_ENGINE_PYTHON)")  # on Ray the workers bring their own
+    engine_env = _engine_env(body, matrix, engine, settings)
     return JobSpec(matrix_name=matrix.name, matrix=matrix, engine=engine, builds=builds,
-                   configs=body.configs, model=body.model, track=body.track)
+                   configs=body.configs, model=body.model, engine_env=engine_env,
+                   track=body.track)
+
+
+def _engine_env(body: JobCreate, matrix: MatrixFile, engine: str, settings: Settings) -> str | None:
+    """The name of the SGLang environment a job runs in: the job's, else its matrix's default,
+    else the service's default; None on Ray without one (each node's own). JobError naming the
+    field and the known names."""
+    if engine != "sglang":
+        if body.engine_env is not None:
+            raise JobError("engine_env: only for engine sglang (the embedded engine runs in the "
+                           "service's own environment)")
+        return None
+    envs = engine_envs(settings)
+    if body.engine_env is not None or matrix.default_engine_env is not None:
+        field = "engine_env" if body.engine_env is not None else "matrix.default_engine_env"
+        try:
+            return resolve_env(settings, body.engine_env or matrix.default_engine_env, field).name
+        except EngineEnvError as exc:
+            raise JobError(str(exc)) from None
+    name = default_env(settings, envs)
+    if name is None and not settings.ray_address:  # on Ray the workers bring their own
+        known = ", ".join(sorted(envs))
+        raise JobError("engine sglang: this service has no default SGLang environment "
+                       "(EVALSVC_ENGINE_PYTHON)" + (f"; name one in engine_env (known: {known})"
+                                                    if known else ""))
+    return name
+
+
+def _client_model(value: str, engine: str, settings: Settings, where: str) -> str:
+    try:
+        return resolve_model(value, engine, settings, where)
+    except ModelError as exc:
+        raise JobError(str(exc)) from None
+    except OSError as exc:
+        raise JobError(f"{where}: {value[:200]!r} cannot be used ({exc.strerror})") from None
 
 
 def _check_matrix_size(matrix: MatrixFile, settings: Settings) -> None:

@@ -4,6 +4,7 @@ registers the enabled schedules on their crons; bad schedule files are refused n
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -121,6 +122,24 @@ def test_nightly_runs_go_where_the_settings_send_them(env, monkeypatch):
     assert "EVALSVC_RAY_ADDRESS is set but ray is not installed" in res.output
     assert [j.status for j in nightly_jobs(env)] == ["queued"]
     assert "git-main: submitted job" in once()
+
+
+def test_a_schedule_names_its_engine_environment(env, tracked, tmp_path, monkeypatch):
+    monkeypatch.setenv("EVALSVC_ENGINE_ENVS", json.dumps({"other": FAKE_PYTHON}))
+    monkeypatch.setenv("EVALSVC_DISCOVER_ENGINE_ENVS", "false")
+    path = tmp_path / "envs.yaml"
+    path.write_text(yaml.safe_dump({"schedules": [
+        {"name": name, "cron": "0 2 * * *", "matrix": "mamba-full", "engine_env": engine_env,
+         "source": {"git": {"repository": str(tracked), "branch": "main"}}}
+        for name, engine_env in (("named", "other"), ("default", None), ("unknown", "nope"))]}))
+    monkeypatch.setenv("EVALSVC_NIGHTLY_FILE", str(path))
+    out = once()
+    assert "named: submitted job" in out and "default: submitted job" in out
+    assert ("unknown: error: engine_env: unknown engine environment 'nope' (known: default, "
+            "other)") in out
+    by_key = {j.spec["nightly_key"].split(":", 1)[0]: j for j in nightly_jobs(env)}
+    assert {k: j.spec["engine_env"] for k, j in by_key.items()} == {"named": "other",
+                                                                    "default": "default"}
 
 
 def test_a_failed_nightly_job_is_tried_again(env):

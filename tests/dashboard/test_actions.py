@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from evalsvc.app import create_app
+from evalsvc.builds import engine_envs, sglang_env
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import AuditEvent, Job, Regression, Run
@@ -31,6 +32,7 @@ from tests.store.factories import (
 )
 
 CONFIG = "mamba2-eb-ov-c64"
+FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
 WRITE_TOKEN = {"Authorization": "Bearer write-secret-token"}
 
 
@@ -235,6 +237,43 @@ def test_posting_and_cancelling_a_job_from_the_pages_is_recorded(tmp_path, db_ur
         assert len(history(c.get(f"/jobs/{job_id}").text)) == 2
         assert c.post("/jobs/no-such-job/cancel", data={"csrf_token": csrf_of(page)}
                       ).status_code == 404
+
+
+def test_the_job_form_offers_the_engine_environments_and_models_the_api_lists(
+        tmp_path, db_url, monkeypatch):
+    """/jobs/new offers the same engine environments and models as the API, by name; what it
+    posts is checked as the API checks it, and refused with the API's words."""
+    monkeypatch.setattr(engine_envs, "SGLANG_CPU_ENV", tmp_path / "no-sglang-cpu")
+    monkeypatch.setenv(sglang_env.ENV_DIR_VARIABLE, str(tmp_path / "no-sglang-envs"))
+    with make_client(tmp_path, db_url, engine_python=FAKE_PYTHON,
+                     engine_envs={"other": FAKE_PYTHON}) as c:
+        assert sign_in(c, ALICE).status_code == 303
+        form = c.get("/jobs/new", params={"matrix": "mamba-full", "engine_env": "other"}).text
+        envs = re.search(r'<select name="engine_env".*?</select>', form, re.S).group(0)
+        assert re.findall(r'<option value="([^"]*)"', envs) == ["", "default", "other"]
+        assert "default (default)" in envs and 'value="other" selected' in envs
+        assert "other: sglang 0.5.23" in envs  # the fake environment's release
+        models = re.search(r'<select name="model".*?</select>', form, re.S).group(0)
+        assert re.findall(r'<option value="([^"]*)"', models) == [
+            m["name"] for m in [{"name": ""}, *c.get("/api/v1/models").json()]]
+        data = {"matrix": "mamba-full", "configs": [], "csrf_token": csrf_of(form)}
+        resp = c.post("/jobs", follow_redirects=False,
+                      data={**data, "engine_env": "other", "model": "qwen3-next-tiny"})
+        assert resp.status_code == 303, resp.text
+        job = c.get(f"/api/v1/jobs/{resp.headers['location'].rsplit('/', 1)[1]}").json()
+        assert job["spec"]["engine_env"] == "other"
+        assert {m["path"].rsplit("/", 1)[1] for m in job["spec"]["matrix"]["models"].values()} \
+            == {"qwen3-next-tiny"}
+        before = counts(db_url)
+        for field, value, words in (
+                ("engine_env", "nope", "engine_env: unknown engine environment &#39;nope&#39; "
+                                       "(known: default, other)"),
+                ("model", "/etc", "model: &#39;/etc&#39; is outside the directories models are "
+                                  "served from")):
+            resp = c.post("/jobs", data={**data, field: value})
+            assert resp.status_code == 422 and words in resp.text, resp.text
+            assert "EVALSVC_MODELS_DIR" in resp.text or field == "engine_env"
+        assert counts(db_url) == before
 
 
 def test_a_running_jobs_page_says_when_its_cancel_was_asked_also_once_it_ended(tmp_path,
