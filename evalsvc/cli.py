@@ -11,14 +11,6 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Accuracy and KL evaluation for SGLang's Mamba-hybrid serving paths.")
 
-# Exit status of the commands that evaluate (evalsvc run, evalsvc demo): 0 when every run
-# reached its verdict and passed; EXIT_FAILED when a run failed its verdict (fail, or invalid: the
-# engine did not run what was asked); else EXIT_ERRORED when a run reached no verdict (error: its
-# engine did not start or died, or it could not be recorded). Every command exits 2 on what it
-# refuses to start with (an unknown matrix, option or source; click's usage errors too) and
-# evalsvc serve 3 when the service did not start.
-EXIT_FAILED = 1
-EXIT_ERRORED = 4
 
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
                "help_option_names": []}
@@ -257,6 +249,8 @@ def run(
 def run_outcome(results, unrecorded: set[str]) -> tuple[int, set[str]]:
     """``evalsvc run``'s exit status for its results (EXIT_FAILED, EXIT_ERRORED or 0) and the
     names of the configs whose run errored (``unrecorded``: those that could not be recorded)."""
+    from evalsvc.evaluate import EXIT_ERRORED, EXIT_FAILED
+
     errored = {r.config for r in results if r.verdict == "error"} | unrecorded
     if any(r.verdict in ("fail", "invalid") for r in results):
         return EXIT_FAILED, errored

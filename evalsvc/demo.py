@@ -15,8 +15,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from evalsvc.cli import EXIT_ERRORED, EXIT_FAILED
 from evalsvc.engines.launch import EngineProcess, embedded_command, free_port
+from evalsvc.evaluate import EXIT_ERRORED, EXIT_FAILED
 from evalsvc.tls import tls_context
 from evalsvc.types import FINISHED_JOB_STATUSES
 

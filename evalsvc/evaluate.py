@@ -30,6 +30,15 @@ from evalsvc.tokenization import tokenized
 from evalsvc.types import RunResult
 from evalsvc.workloads import load_prompts, workload_version
 
+# Exit status of the commands that evaluate (evalsvc run, evalsvc demo): 0 when every run
+# reached its verdict and passed; EXIT_FAILED when a run failed its verdict (fail, or invalid: the
+# engine did not run what was asked); else EXIT_ERRORED when a run reached no verdict (error: its
+# engine did not start or died, or it could not be recorded). Every command exits 2 on what it
+# refuses to start with (an unknown matrix, option or source; click's usage errors too) and
+# evalsvc serve 3 when the service did not start.
+EXIT_FAILED = 1
+EXIT_ERRORED = 4
+
 log = logging.getLogger("evalsvc.evaluate")
 
 

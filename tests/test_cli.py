@@ -107,7 +107,8 @@ def _result(config: str, verdict: str):
 ])
 def test_evalsvc_run_exits_1_for_a_failed_verdict_4_for_errored_runs(verdicts, unrecorded,
                                                                       status, errored):
-    from evalsvc.cli import EXIT_ERRORED, EXIT_FAILED, run_outcome
+    from evalsvc.cli import run_outcome
+    from evalsvc.evaluate import EXIT_ERRORED, EXIT_FAILED
 
     assert (EXIT_FAILED, EXIT_ERRORED) == (1, 4)
     results = [_result(f"c{i}", v) for i, v in enumerate(verdicts)]
