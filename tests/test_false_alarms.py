@@ -26,6 +26,15 @@ def test_twenty_clean_evaluations_raise_no_alarm(tmp_path):
     # the history test really ran, on both metrics of every scenario but the first three times
     assert out["verdicts"].get("pass/history", 0) >= 17 * 5
     assert out["inconclusive"] == []
+    # the floor the same runs measure: each scenario's mean over the 20 evaluations, in float32
+    # (a cold recompute to rounding)
+    floor = {(r["config"], r["scenario"]): r for r in out["floor"]}
+    assert {s for _, s in floor} >= {"cold", "prefill_hit", "speculative"}
+    for row in floor.values():
+        assert row["kl_k3_mean"]["n"] == 20
+        assert 0 <= row["kl_k3_mean"]["min"] <= row["kl_k3_mean"]["mean"] \
+            <= row["kl_k3_mean"]["max"] < 1e-8
+    assert floor[("gdn-nb-sync-nochunk-mtp", "prefill_hit")]["extend_kl_k3_mean"]["n"] == 20
 
 
 def test_same_seed_bf16_evaluations_raise_no_alarm(tmp_path):
