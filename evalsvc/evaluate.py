@@ -185,8 +185,8 @@ def results_table(results: list[RunResult], title: str) -> Table:
     for col in ("config", "scenario", "KL k3 mean [95% CI]", "extend KL", "hit cov.",
                 "accept len", "verdict"):
         table.add_column(col, no_wrap=col != "config")
-    style = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta",
-             "error": "red"}
+    style = {"pass": "green", "expected": "blue", "fail": "red", "inconclusive": "yellow",
+             "invalid": "magenta", "error": "red"}
     for row in summary_rows(results):
         kl = row["kl_k3_mean"]
         ci = row["kl_k3_ci"]

@@ -249,10 +249,11 @@ def read_regression(regression_id: RegressionId, session: SessionDep) -> dict[st
 @router.patch("/regressions/{regression_id}", tags=["verdicts"])
 def triage_regression(regression_id: RegressionId, body: TriageUpdate, session: SessionDep,
                       user: WriteUserDep) -> dict[str, Any]:
-    """Triage a regression: acknowledged, expected or fixed, with a comment."""
+    """Triage a regression: acknowledged, expected (a known failure) or fixed, with a comment and
+    a link (an http(s) URL)."""
     try:
         r = queries.triage_regression(session, regression_id, body.triage, body.comment,
-                                      actor=actor(user, "api"))
+                                      actor=actor(user, "api"), link=body.link)
     except KeyError:
         raise HTTPException(status_code=404, detail=f"no regression {regression_id}") from None
     return queries.regression_dict(session, r)

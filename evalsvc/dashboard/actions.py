@@ -137,17 +137,19 @@ def delete_session(request: Request, csrf_token: CsrfField = None) -> RedirectRe
 @router.post("/regressions/{regression_id}/triage")
 def create_triage_form(regression_id: RegressionId, request: Request, session: SessionDep,
                        services: ServicesDep, user: FormUser, triage: FormText = "",
-                       comment: FormText = "") -> Any:
-    """Triage a regression (acknowledged, expected, fixed, or untriaged again) with a comment."""
+                       comment: FormText = "", link: FormText = "") -> Any:
+    """Triage a regression (acknowledged, expected, fixed, or untriaged again) with a comment and
+    a link."""
     try:
-        body = TriageUpdate(triage=triage or None, comment=comment.strip() or None)
+        body = TriageUpdate(triage=triage or None, comment=comment.strip() or None,
+                            link=link.strip() or None)
     except ValidationError as exc:
         return regression_page(request, session, regression_id, 422, error=describe_errors(exc),
-                               comment=comment)
+                               comment=comment, link=link)
     try:  # committed before the redirect is answered (the page it leads to shows the triage)
         with services.store.session() as s:
             queries.triage_regression(s, regression_id, body.triage, body.comment,
-                                      actor=_actor(user))
+                                      actor=_actor(user), link=body.link)
     except KeyError:
         return problem(request, 404, f"no regression {regression_id}")
     url = request.url_for("read_regression_page", regression_id=regression_id)

@@ -249,7 +249,8 @@ def regression_dict(session: Session, r: Regression) -> dict[str, Any]:
             "fingerprint": r.fingerprint, "patch_set": r.patch_set, "scenario": r.scenario,
             "metric": r.metric, "runs_seen": r.runs_seen, "opened_at": r.opened_at,
             "resolved_at": r.resolved_at, "triage": r.triage, "comment": r.comment,
-            "triaged_at": r.triaged_at, "first_run": _run_brief(r.first_run),
+            "link": r.link, "expected_level": r.expected_level, "triaged_at": r.triaged_at,
+            "first_run": _run_brief(r.first_run),
             "last_run": _run_brief(r.last_run), "last_good_run": _run_brief(r.last_good_run),
             "resolved_run": _run_brief(r.resolved_run),
             "evidence": verdict_dict(v) if v is not None else None}
@@ -303,17 +304,25 @@ def regression_bisections(session: Session, regression_ids: list[int]
 
 
 def triage_regression(session: Session, regression_id: int, triage: str | None,
-                      comment: str | None, actor: Actor | None = None) -> Regression:
-    """Set a regression's triage and comment; ``actor``: who did it (an audit event, in the same
-    transaction)."""
+                      comment: str | None, actor: Actor | None = None,
+                      link: str | None = None) -> Regression:
+    """Set a regression's triage, comment and link; ``actor``: who did it (an audit event, in the
+    same transaction). Triaged expected (from another triage), it takes the level it holds to as
+    a known failure (``verdicts.failure_level``)."""
+    from evalsvc.verdicts import failure_level
+
     r = session.get(Regression, regression_id)
     if r is None:
         raise KeyError(f"no regression {regression_id}")
     previous = r.triage
-    r.triage, r.comment, r.triaged_at = triage, comment, utcnow()
+    r.triage, r.comment, r.link, r.triaged_at = triage, comment, link, utcnow()
+    if triage != "expected":
+        r.expected_level = None
+    elif previous != "expected" or r.expected_level is None:
+        r.expected_level = failure_level(session, r)
     if actor is not None:
         audit.record(session, actor, "triage", "regression", r.id, comment=comment,
-                     details={"triage": triage, "previous": previous})
+                     details={"triage": triage, "previous": previous, "link": link})
     session.flush()
     return r
 

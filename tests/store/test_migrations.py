@@ -158,8 +158,8 @@ def test_0006_adds_the_audit_events_and_keeps_what_was_stored(db_url, engines):
 
 
 def test_0007_gives_regressions_a_link_and_a_level_and_keeps_their_triage(db_url, engines):
-    """A regression triaged at 0006 has no link and no level after 0007, and takes both; down
-    again, its triage and comment stay."""
+    """A regression triaged expected at 0006 has no link after 0007, and the level of its
+    opening verdict; down again, its triage and comment stay."""
     upgrade(db_url, "0006")
     engine = make_engine(db_url)
     engines.append(engine)
@@ -178,10 +178,13 @@ def test_0007_gives_regressions_a_link_and_a_level_and_keeps_their_triage(db_url
                           "config, matrix, state, first_run_id, last_run_id, runs_seen, triage, "
                           "comment, opened_at) VALUES (1, 'f', '', 'prefill_hit', 'kl_k3_mean', "
                           "'c', 'smoke', 'open', 1, 1, 1, 'expected', 'known', CURRENT_TIMESTAMP)"))
+        conn.execute(text("INSERT INTO verdicts (run_id, scenario, metric, verdict, method, value) "
+                          "VALUES (1, 'prefill_hit', 'kl_k3_mean', 'regression', 'threshold', 0.25), "
+                          "(1, 'prefill_hit', 'extend_kl_k3_mean', 'regression', 'threshold', 9)"))
     upgrade(db_url, "0007")
     with engine.begin() as conn:
         assert conn.execute(text("SELECT triage, comment, link, expected_level "
-                                 "FROM regressions")).all() == [("expected", "known", None, None)]
+                                 "FROM regressions")).all() == [("expected", "known", None, 0.25)]
         conn.execute(text("UPDATE regressions SET link = 'https://example.com/pull/1', "
                           "expected_level = 0.5"))
     downgrade(db_url, "0006")
