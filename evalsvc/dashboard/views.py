@@ -16,6 +16,7 @@ from datetime import datetime
 from itertools import pairwise, zip_longest
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
@@ -48,7 +49,7 @@ FINISHED = FINISHED_JOB_STATUSES
 LOG_TAIL_BYTES = 8_000
 PAGE_SIZE = 100
 # compare verdicts, worst first: the order of the compare page
-COMPARE_ORDER = ("regression", "fail", "inconclusive", "improvement", "pass")
+COMPARE_ORDER = ("regression", "fail", "inconclusive", "expected", "improvement", "pass")
 REGRESSIONS_SHOWN = 200  # regression_dict reads each one's opening verdict: one query each
 TRIAGE = ("acknowledged", "expected", "fixed")
 
@@ -78,8 +79,18 @@ def as_json(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, indent=indent, sort_keys=indent is not None, default=str)
 
 
+def link_label(url: str) -> str:
+    """A link for reading: a GitHub pull request or issue as "PR #N" or "issue #N", anything
+    else as its host."""
+    parts = urlsplit(url)
+    path = parts.path.strip("/").split("/")
+    if parts.hostname == "github.com" and len(path) >= 4 and path[2] in ("pull", "issues"):
+        return f"{'PR' if path[2] == 'pull' else 'issue'} #{path[3]}"
+    return parts.hostname or url
+
+
 templates.env.filters.update(number=number, when=when, short_ref=short_ref, as_json=as_json,
-                             exp=math.exp, zip_longest=zip_longest)
+                             exp=math.exp, zip_longest=zip_longest, link_label=link_label)
 
 
 def runs_url(request: Request) -> str:
@@ -196,8 +207,9 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
                "models": sorted({r["model"] for r in window["runs"]}),
                "branches": queries.branches(session), "scenarios": SCENARIOS,
                "metrics": TREND_METRICS}
+    known = queries.known_failures_of(session, [r["run_id"] for r in latest])
     return page(request, "overview.html", title="Overview", latest=latest, scenarios=shown,
-                trends=trends, filters=filters, choices=choices,
+                known=known, trends=trends, filters=filters, choices=choices,
                 open_regressions=queries.open_regression_counts(session))
 
 
@@ -307,9 +319,17 @@ def log_tail(path: str | None) -> str | None:
     return text
 
 
+def known_failure(verdicts: list[dict[str, Any]], scenario: str) -> dict[str, Any] | None:
+    """The known failure a scenario fails as: the evidence of its first ``expected`` verdict
+    (regression id, link), None when it has none."""
+    return next((v["evidence"]["known_failure"] for v in verdicts
+                 if v["scenario"] == scenario and v["verdict"] == "expected"
+                 and "known_failure" in (v["evidence"] or {})), None)
+
+
 def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Configs (x builds) by scenarios: per cell the run, verdict, KL mean with interval, hit
-    coverage and acceptance length."""
+    """Configs (x builds) by scenarios: per cell the run, verdict (and the known failure an
+    expected one is), KL mean with interval, hit coverage and acceptance length."""
     labels = {(b["commit"], b["patch_set"]): b["label"] for b in builds}
     scenarios = [s for s in SCENARIOS if any(sc["scenario"] == s for r in runs
                                              for sc in r["scenarios"])]
@@ -320,7 +340,8 @@ def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> di
             m = sc["metrics"]
             kl = m.get("kl_k3_mean", {})
             cells[sc["scenario"]] = {
-                "verdict": sc["verdict"], "reason": sc["reason"], "kl": kl.get("value"),
+                "verdict": sc["verdict"], "reason": sc["reason"],
+                "known": known_failure(r["verdicts"], sc["scenario"]), "kl": kl.get("value"),
                 "ci_low": kl.get("ci_low"), "ci_high": kl.get("ci_high"),
                 "hit_coverage": m.get("hit_coverage", {}).get("value"),
                 "accept_length": m.get("accept_length", {}).get("value")}
@@ -384,13 +405,17 @@ def read_run_page(run_id: RunId, request: Request, session: SessionDep) -> HTMLR
 
 def compare_verdict(baseline: str | None, contender: str | None) -> str:
     """A comparison's verdict from the two sides' scenario verdicts: regression (pass -> fail),
-    improvement (fail -> pass), fail (failing on both), pass, or inconclusive (either side was
-    inconclusive, invalid, errored or missing)."""
-    if baseline not in ("pass", "fail") or contender not in ("pass", "fail"):
+    improvement (fail -> pass), fail (failing on both), pass, expected (the contender fails as a
+    known failure does, and the baseline did not pass), or inconclusive (either side was
+    inconclusive, invalid, errored or missing). A known failure (expected) is a failure, known:
+    pass -> expected is a regression, expected -> pass an improvement."""
+    if baseline not in ("pass", "fail", "expected") or contender not in ("pass", "fail", "expected"):
         return "inconclusive"
-    if baseline == contender:
-        return baseline
-    return "regression" if contender == "fail" else "improvement"
+    if baseline == "pass":
+        return "pass" if contender == "pass" else "regression"
+    if contender == "pass":
+        return "improvement"
+    return contender
 
 
 @router.get("/compare")

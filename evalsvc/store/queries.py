@@ -544,6 +544,21 @@ def commit_summaries(session: Session, *, branch: str | None = None, limit: int 
              "builds": dict(sorted(builds[c.id].items()))} for c in commits]
 
 
+def known_failures_of(session: Session, run_ids: list[int]) -> dict[tuple[int, str], dict[str, Any]]:
+    """The known failures these runs' scenarios fail as (``expected`` verdicts), by (run id,
+    scenario): the first one's regression id and link."""
+    out: dict[tuple[int, str], dict[str, Any]] = {}
+    if run_ids:
+        for run_id, scenario, evidence in session.execute(
+                select(Verdict.run_id, Verdict.scenario, Verdict.evidence)
+                .where(Verdict.run_id.in_(run_ids), Verdict.verdict == "expected")
+                .order_by(Verdict.id)):
+            known = (evidence or {}).get("known_failure")
+            if known:
+                out.setdefault((run_id, scenario), known)
+    return out
+
+
 def scenario_verdicts_of(session: Session, run_ids: list[int]) -> dict[tuple[int, str], str]:
     """Scenario verdicts of many runs, by (run id, scenario)."""
     if not run_ids:
