@@ -233,17 +233,20 @@ def after_history(verdict: str, reason: str | None, judgements: list[Judgement]
                   ) -> tuple[str, str | None]:
     """A scenario's verdict (its fixed limits') once its metrics are judged with their history
     and known failures: a pass with a regression among them is a fail, for the first
-    regression's reason; a pass or a fail whose metrics fail only as known failures (``expected``
-    verdicts, no regression) is expected, for the first one's reason, unless it failed for what
-    no metric's verdict says (no speculative counters). A scenario judged expected before is
-    judged again from its metrics."""
+    regression's reason (so is a fail whose first failure was a known one); a pass or a fail
+    whose metrics fail only as known failures (``expected`` verdicts, no regression) is expected,
+    for the first one's reason, unless it failed for what no metric's verdict says (no
+    speculative counters). A scenario judged expected before is judged again from its metrics."""
     if verdict == "expected":
         verdict, reason = "pass", None
     regressions = [j for j in judgements if j.verdict == "regression"]
     known = [j for j in judgements if j.verdict == "expected"]
+    # the metrics' verdicts say why: a pass, or a fail among known failures
+    metrics_say = verdict == "pass" or (verdict == "fail" and bool(known)
+                                        and reason != NO_SPEC_COUNTERS)
     if regressions:
-        return ("fail", regressions[0].reason) if verdict == "pass" else (verdict, reason)
-    if known and (verdict == "pass" or (verdict == "fail" and reason != NO_SPEC_COUNTERS)):
+        return ("fail", regressions[0].reason) if metrics_say else (verdict, reason)
+    if known and metrics_say:
         return "expected", known[0].reason
     return verdict, reason
 
