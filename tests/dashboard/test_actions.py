@@ -320,6 +320,16 @@ def test_a_known_failure_triaged_with_its_link_shows_as_expected_on_the_pages(tm
             assert (reg["triage"], reg["link"]) == ("expected", link)
             assert reg["expected_level"] == pytest.approx(0.055)
             assert f'href="{link}"' in c.get(f"/regressions/{reg_id}").text
+            assert f'<div class="triage-link"><a href="{link}"' in c.get("/regressions").text
+            # the API's triage takes the same link, and refuses the same
+            resp = c.patch(f"/api/v1/regressions/{reg_id}", headers=WRITE_TOKEN,
+                           json={"triage": "expected", "link": "ftp://example.com/x"})
+            assert resp.status_code == 422 and "http(s) URL" in resp.text
+            resp = c.patch(f"/api/v1/regressions/{reg_id}", headers=WRITE_TOKEN,
+                           json={"triage": "expected", "comment": "the kernel's varlen conv1d",
+                                 "link": link})
+            assert resp.status_code == 200 and resp.json()["link"] == link
+            assert resp.json()["expected_level"] == pytest.approx(0.055)
 
             run_id = nightly(1)
             scenarios = c.get(f"/api/v1/runs/{run_id}").json()["scenarios"]
