@@ -4,7 +4,10 @@ The candidates are the first-parent commits after ``good`` up to ``bad``. Each s
 config, only, on one commit (a job with trigger ``bisect``, run like any other), or reuses a
 finished run of that config on that commit if the store has one; the commit is bad when the
 scenario failed (a fixed limit or a history regression) or, with ``metric``, when that metric's
-verdict is a regression. The search (``first_bad``, pure) needs at most ceil(log2(n)) runs for n
+verdict is a regression. A run that fails as a known failure does (``expected``) is bad when the
+bisection searches that failure (its regression is triaged expected, or it names no regression),
+and good when it searches another regression of the series (one worse than the known failure).
+The search (``first_bad``, pure) needs at most ceil(log2(n)) runs for n
 candidates, plus one if the bad end has not been evaluated yet; a step waits for its job by being
 woken when the job service ends a job (``JobService.wait_end``). A step whose run cannot decide
 (engine error, too few cache hits) stops the bisection with that reason.
@@ -288,7 +291,7 @@ class Bisector:
                 .where(Commit.sha == sha, Commit.repository == spec.repository,
                        Build.patch_set == patch_set, Run.matrix == spec.matrix,
                        Run.config == spec.config, Run.status == "done",
-                       Run.verdict.in_(("pass", "fail")))
+                       Run.verdict.in_(("pass", "fail", "expected")))
                 .order_by(Run.finished_at.desc()).limit(1)).first()
 
     def _wait(self, job_id: str, sha: str) -> int:
@@ -314,17 +317,20 @@ class Bisector:
 
     def _judge(self, spec: BisectSpec, run_id: int, sha: str) -> tuple[bool, str, str]:
         with self.store.session() as s:
+            searched = s.get(Regression, spec.regression_id) if spec.regression_id else None
+            known = searched is None or searched.triage == "expected"
+            bad = ("fail", "regression", "expected") if known else ("fail", "regression")
             run = s.get(Run, run_id)
             scen = next((x for x in run.scenarios if x.scenario == spec.scenario), None)
             if spec.scenario == POOLED:  # no scenario row: the pooled verdict decides
                 v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
                                                     Verdict.scenario == POOLED,
                                                     Verdict.metric == spec.metric)).first()
-                if v is None or v.verdict not in ("pass", "regression", "improvement"):
+                if v is None or v.verdict not in ("pass", "regression", "improvement", "expected"):
                     raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide (no pooled "
                                       f"{spec.metric} verdict: {run.verdict}: {run.reason})")
-                return v.verdict == "regression", v.verdict, v.reason or ""
-            if scen is None or scen.verdict not in ("pass", "fail"):
+                return v.verdict in bad, v.verdict, v.reason or ""
+            if scen is None or scen.verdict not in ("pass", "fail", "expected"):
                 why = (f"{scen.verdict}: {scen.reason}" if scen is not None
                        else f"{run.verdict}: {run.reason}")
                 raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide ({why})")
@@ -335,8 +341,8 @@ class Bisector:
                 if v is None:
                     raise BisectError(f"commit {sha[:12]}: run {run_id} has no "
                                       f"{spec.metric} verdict for {spec.scenario}")
-                return v.verdict == "regression", v.verdict, v.reason or ""
-            return scen.verdict == "fail", scen.verdict, scen.reason or ""
+                return v.verdict in bad, v.verdict, v.reason or ""
+            return scen.verdict in bad, scen.verdict, scen.reason or ""
 
     def _finish(self, bisect_id: str, status: str, first_bad: str | None = None,
                 error: str | None = None) -> None:

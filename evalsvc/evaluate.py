@@ -190,8 +190,8 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-VERDICT_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta",
-                 "error": "red"}
+VERDICT_STYLE = {"pass": "green", "expected": "blue", "fail": "red", "inconclusive": "yellow",
+                 "invalid": "magenta", "error": "red"}
 
 
 def config_prefix(names: list[str]) -> str:

@@ -24,7 +24,11 @@ A metric is judged in this order, and the first rule that decides wins:
      median sample), are a regression too: a bug that strikes a few requests hard moves no mean;
 4. change point: the series of per-run values, the contender last, searched for one lasting shift
    in the mean (a permutation test); a significant shift of at least the effect floor in the bad
-   direction, with the contender after it, is a regression too.
+   direction, with the contender after it, is a regression too;
+5. known failures: in a series with an open regression triaged ``expected`` (a known failure,
+   with its link), a regression no worse than the level it was triaged at by more than the effect
+   floor, or a pass within the floor of that level, is ``expected``; worse than that, it stays a
+   regression.
 
 KL (higher is worse) and acceptance length (lower is worse) are judged on their own: an unchanged
 KL says nothing about an MTP config's acceptance. Each metric is also judged over the run's
@@ -53,6 +57,8 @@ LOG_SCALE = {"kl_k3_mean", "extend_kl_k3_mean"}  # positive, heavy-tailed, multi
 POOLED = "pooled"
 HIT_SCENARIOS = ("prefill_hit", "decode_hit", "branching", "host_tier", "mixed_hit",
                  "chunked_hit")
+# a scenario's failure that no metric's verdict says (``judge_scenario``)
+NO_SPEC_COUNTERS = "no speculative counters in the responses"
 # a failing extend's reason names at most this many positions that carry half of its k3, when
 # their level is at least STANDOUT times the rest's
 NAMED_POSITIONS = 3
@@ -63,7 +69,7 @@ STANDOUT = 10.0
 class Judgement:
     scenario: str
     metric: str
-    verdict: str  # pass | regression | improvement | inconclusive
+    verdict: str  # pass | regression | improvement | inconclusive | expected
     method: str  # coverage | threshold | bit_exact | history | change_point
     value: float | None = None
     baseline: float | None = None
@@ -82,6 +88,44 @@ class Series:
     run_ids: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)  # the scenario's metric per run
     samples: list[dict[str, float]] = field(default_factory=list)  # sample id -> value, per run
+
+
+@dataclass
+class KnownFailure:
+    """An open regression of a series triaged expected: the level its metric failed at when it
+    was triaged, and where to read about it."""
+
+    regression_id: int
+    level: float
+    link: str | None = None
+
+
+def hold_known(j: Judgement | None, known: KnownFailure | None, limits: Limits) -> None:
+    """A verdict of a series with a known failure, against the known level and the metric's
+    effect floor there (``Limits.effect_floor``): a regression no worse than the level by more
+    than the floor, or a pass within the floor of it (the new baseline's level: the failure is
+    still there), is ``expected``, for a reason that names the regression and its link. A
+    regression worse than that stays one, its reason saying so; a pass further below the level
+    (a fix), an improvement and an inconclusive verdict stay as they are."""
+    if j is None or known is None or j.verdict not in ("regression", "pass") or j.value is None:
+        return
+    floor = limits.effect_floor(j.metric, known.level)
+    worse = METRICS[j.metric] * (j.value - known.level)
+    label = LABELS[j.metric]
+    about = f"regression #{known.regression_id}{', ' + known.link if known.link else ''}"
+    facts = {"regression_id": known.regression_id, "link": known.link, "level": known.level,
+             "floor": floor}
+    if j.verdict == "regression" and worse > floor:
+        j.evidence["known_failure"] = {**facts, "exceeded": True}
+        j.reason = (f"{j.reason}; worse than the known failure ({about}: {label} "
+                    f"{known.level:.3g}) by more than the effect floor {floor:.3g}")
+    elif j.verdict == "regression" or abs(worse) <= floor:
+        j.evidence["known_failure"] = {**facts, "exceeded": False}
+        j.reason = f"known failure ({about}): " + (
+            j.reason if j.verdict == "regression" else
+            f"{label} {j.value:.4g} at its level {known.level:.3g} (within the effect floor "
+            f"{floor:.3g})")
+        j.verdict = "expected"
 
 
 def coverage_shortfall(coverage: float | None, need: float) -> str | None:
@@ -175,7 +219,7 @@ def judge_scenario(scenario: str, metrics: dict[str, Any], limits: Limits, *,
         return "inconclusive", short
     if (scenario == "speculative" and uses_mtp and limits.accept_length.min is not None
             and metrics.get("accept_length") is None):
-        return "fail", "no speculative counters in the responses"
+        return "fail", NO_SPEC_COUNTERS
     for metric in METRICS:
         j = judge_metric(scenario, metric, metrics.get(metric), {}, limits, Series(),
                          HistorySettings(), exact_fraction=metrics.get("bit_exact_fraction"))
@@ -187,12 +231,23 @@ def judge_scenario(scenario: str, metrics: dict[str, Any], limits: Limits, *,
 
 def after_history(verdict: str, reason: str | None, judgements: list[Judgement]
                   ) -> tuple[str, str | None]:
-    """A scenario's verdict once its metrics are judged with their history: a pass with a
-    regression among them is a fail, for the first regression's reason."""
-    if verdict == "pass":
-        for j in judgements:
-            if j.verdict == "regression":
-                return "fail", j.reason
+    """A scenario's verdict (its fixed limits') once its metrics are judged with their history
+    and known failures: a pass with a regression among them is a fail, for the first
+    regression's reason (so is a fail whose first failure was a known one); a pass or a fail
+    whose metrics fail only as known failures (``expected`` verdicts, no regression) is expected,
+    for the first one's reason, unless it failed for what no metric's verdict says (no
+    speculative counters). A scenario judged expected before is judged again from its metrics."""
+    if verdict == "expected":
+        verdict, reason = "pass", None
+    regressions = [j for j in judgements if j.verdict == "regression"]
+    known = [j for j in judgements if j.verdict == "expected"]
+    # the metrics' verdicts say why: a pass, or a fail among known failures
+    metrics_say = verdict == "pass" or (verdict == "fail" and bool(known)
+                                        and reason != NO_SPEC_COUNTERS)
+    if regressions:
+        return ("fail", regressions[0].reason) if metrics_say else (verdict, reason)
+    if known and metrics_say:
+        return "expected", known[0].reason
     return verdict, reason
 
 

@@ -17,6 +17,7 @@ class Verdict(StrEnum):
     values are the strings stored and served."""
 
     PASS = "pass"
+    EXPECTED = "expected"  # it fails as a known failure (a regression triaged expected) does
     INCONCLUSIVE = "inconclusive"  # the scenario did not exercise what it measures
     FAIL = "fail"
     INVALID = "invalid"  # the engine did not run what was asked

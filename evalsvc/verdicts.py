@@ -6,6 +6,11 @@ Regressions are tracked per series (fingerprint, patch set, scenario, metric) fo
 for it (nightly): the first flagged run opens one, later flagged runs extend it, and the next run
 that passes closes it. Only the newest run of a series moves it, so bisection steps on older
 commits never do.
+
+A regression triaged ``expected`` is a known failure while it is open: later runs of its series
+that fail no worse than its level are judged ``expected`` (``judging.hold_known``) and extend it,
+opening nothing; a run worse than that, or a failure of another series of the config, opens a
+regression of its own as usual.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ from evalsvc.judging import (
     METRICS,
     POOLED,
     Judgement,
+    KnownFailure,
     Series,
     after_history,
+    hold_known,
     judge_metric,
     locate_extend,
     scenario_limits,
 )
 from evalsvc.matrix import SCENARIOS, Config, MatrixFile
 from evalsvc.metrics.kl import PositionKL, kl_by_position, token_kl_by_sample
+from evalsvc.store import audit
+from evalsvc.store.audit import Actor
 from evalsvc.store.models import (
     Build,
     Commit,
@@ -90,7 +99,9 @@ def kept_runs(session: Session, run: Run, candidates: list[Run], scenario: str,
               metric: str) -> list[Run]:
     """The earlier runs (newest first) that may form a series' baseline, oldest first: runs
     flagged for this scenario and metric are left out, unless a regression triaged as expected
-    made them the new normal (then nothing before that regression counts)."""
+    made them the new normal (then nothing before that regression counts, and of the runs
+    flagged since, only those recorded before the triage: a run flagged after it was worse than
+    the known level)."""
     expected = session.scalars(
         select(Regression).where(Regression.fingerprint == run.fingerprint,
                                  Regression.patch_set == run.build.patch_set,
@@ -98,14 +109,73 @@ def kept_runs(session: Session, run: Run, candidates: list[Run], scenario: str,
                                  Regression.triage == "expected")
         .order_by(Regression.opened_at.desc()).limit(1)).first()
     start = order_key(expected.first_run) if expected is not None else None
+    triaged = expected.triaged_at if expected is not None else None
     ids = [r.id for r in candidates]
     flagged = set(session.scalars(select(Verdict.run_id).where(
         Verdict.run_id.in_(ids), Verdict.scenario == scenario, Verdict.metric == metric,
         Verdict.verdict == "regression")))
-    keep = [r for r in candidates if (start is not None and order_key(r) >= start)
-            or (start is None and r.id not in flagged)]
+
+    def kept(r: Run) -> bool:
+        if r.id not in flagged:
+            return start is None or order_key(r) >= start
+        return (start is not None and order_key(r) >= start
+                and (triaged is None or (r.finished_at or r.created_at) <= triaged))
+
+    keep = [r for r in candidates if kept(r)]
     keep.reverse()  # oldest first
     return keep
+
+
+def is_known_failure(reg: Regression) -> bool:
+    """An open regression triaged expected, with the level it was triaged at."""
+    return reg.state == "open" and reg.triage == "expected" and reg.expected_level is not None
+
+
+def known_failures(session: Session, run: Run) -> dict[tuple[str, str], KnownFailure]:
+    """The known failures of a run's series, by (scenario, metric): the newest regression of
+    each that ``is_known_failure``."""
+    out: dict[tuple[str, str], KnownFailure] = {}
+    for reg in session.scalars(
+            select(Regression).where(Regression.fingerprint == run.fingerprint,
+                                     Regression.patch_set == run.build.patch_set,
+                                     Regression.state == "open", Regression.triage == "expected")
+            .order_by(Regression.opened_at, Regression.id)):
+        if is_known_failure(reg):
+            out[(reg.scenario, reg.metric)] = KnownFailure(reg.id, reg.expected_level, reg.link)
+    return out
+
+
+def failure_level(session: Session, reg: Regression) -> float | None:
+    """The worst value of a regression's metric over the run that opened it and the latest it
+    has seen: the level it holds to once triaged expected. None without verdicts."""
+    values = [v for v in session.scalars(select(Verdict.value).where(
+        Verdict.run_id.in_({reg.first_run_id, reg.last_run_id}), Verdict.scenario == reg.scenario,
+        Verdict.metric == reg.metric)) if v is not None]
+    if not values:
+        return None
+    return max(values) if METRICS.get(reg.metric, 1) > 0 else min(values)
+
+
+def triage_regression(session: Session, regression_id: int, triage: str | None,
+                      comment: str | None, actor: Actor | None = None,
+                      link: str | None = None) -> Regression:
+    """Set a regression's triage, comment and link; ``actor``: who did it (an audit event, in the
+    same transaction). Triaged expected (from another triage), it takes the level it holds to as
+    a known failure (``failure_level``)."""
+    r = session.get(Regression, regression_id)
+    if r is None:
+        raise KeyError(f"no regression {regression_id}")
+    previous = r.triage
+    r.triage, r.comment, r.link, r.triaged_at = triage, comment, link, utcnow()
+    if triage != "expected":
+        r.expected_level = None
+    elif previous != "expected" or r.expected_level is None:
+        r.expected_level = failure_level(session, r)
+    if actor is not None:
+        audit.record(session, actor, "triage", "regression", r.id, comment=comment,
+                     details={"triage": triage, "previous": previous, "link": link})
+    session.flush()
+    return r
 
 
 def baseline_series(session: Session, run: Run, candidates: list[Run], scenario: str,
@@ -153,13 +223,14 @@ def pooled_series(session: Session, run: Run, candidates: list[Run], scenarios: 
 
 def judge_pooled(session: Session, run: Run, candidates: list[Run], metric: str,
                  samples: dict[tuple[str, str], dict[str, float]],
-                 thresholds: ThresholdsFile) -> Judgement | None:
+                 thresholds: ThresholdsFile, known: KnownFailure | None = None
+                 ) -> Judgement | None:
     """One metric over the run's conclusive scenarios together (the hit scenarios for KL, every
     scenario with acceptance for it), when there are two or more: one defect acts in several, and
     their samples pooled make the location test sharper. History only: fixed limits and the tail
-    test belong to each scenario's own verdict."""
+    test belong to each scenario's own verdict. ``known``: the pooled series' known failure."""
     scenarios = [sc for sc in SCENARIOS if any(
-        r.scenario == sc and r.verdict in ("pass", "fail") for r in run.scenarios)
+        r.scenario == sc and r.verdict in ("pass", "fail", "expected") for r in run.scenarios)
         and (sc, metric) in samples and (metric == "accept_length" or sc in HIT_SCENARIOS)]
     if len(scenarios) < 2:
         return None
@@ -172,6 +243,7 @@ def judge_pooled(session: Session, run: Run, candidates: list[Run], metric: str,
                      thresholds.history)
     if j is not None:
         j.evidence["scenarios"] = scenarios
+        hold_known(j, known, limits)
     return j
 
 
@@ -218,7 +290,8 @@ def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile,
 def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None = None
               ) -> list[Verdict]:
     """Judge every metric of every scenario of a recorded run and store the verdicts (replacing
-    any it had). A history regression turns its scenario's verdict to fail."""
+    any it had). A history regression turns its scenario's verdict to fail; a scenario that fails
+    only as its series' known failures do is expected (``judging.after_history``)."""
     thresholds = thresholds or load_thresholds()
     hs = thresholds.history
     run = session.get(Run, run_id)
@@ -238,6 +311,7 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
             if v is not None:
                 samples.setdefault((row.scenario, metric), {})[row.sample_id] = v
     candidates = earlier_runs(session, run, limit=3 * max(hs.window, hs.change_point_window))
+    known = known_failures(session, run)
     out: list[Verdict] = []
 
     def add(j: Judgement) -> None:
@@ -263,6 +337,7 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
                              exact_fraction=m.get("bit_exact_fraction"))
             if j is not None and j.metric == "extend_kl_k3_mean" and j.verdict == "regression":
                 locate_extend(j, stored_extend(run, scen_row.scenario))
+            hold_known(j, known.get((scen_row.scenario, metric)), limits)
             if j is not None:
                 add(j)
                 judged.append(j)
@@ -270,16 +345,16 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
         if verdict != scen_row.verdict:
             scen_row.verdict, scen_row.reason = verdict, reason
     reasons = [(s.scenario, s.verdict, s.reason) for s in run.scenarios]
-    pooled = None
+    pooled = []
     for metric in METRICS:
-        j = judge_pooled(session, run, candidates, metric, samples, thresholds)
+        j = judge_pooled(session, run, candidates, metric, samples, thresholds,
+                         known.get((POOLED, metric)))
         if j is not None:
             add(j)
-            if j.verdict == "regression" and pooled is None:
-                pooled = (POOLED, "fail", f"{', '.join(j.evidence['scenarios'])} together: "
-                                          f"{j.reason}")
-    if pooled is not None:
-        reasons.append(pooled)
+            if j.verdict in ("regression", "expected"):
+                pooled.append((POOLED, "fail" if j.verdict == "regression" else "expected",
+                               f"{', '.join(j.evidence['scenarios'])} together: {j.reason}"))
+    reasons.extend(pooled)
     if reasons and run.verdict not in ("invalid", "cancelled"):
         run.verdict, reason = worst(reasons)
         if reason is not None:
@@ -290,17 +365,31 @@ def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None =
 
 def track(session: Session, run: Run, verdicts: list[Verdict]) -> None:
     """Open, extend or close the regressions of the run's series (only from the series' newest
-    run: evaluations of older commits, such as bisection steps, never move them)."""
+    run: evaluations of older commits, such as bisection steps, never move them). A regression
+    verdict extends the series' open regression that is not a known failure (triaged expected),
+    or opens one; an expected verdict extends its known failure; any other conclusive verdict
+    closes the series' open regressions, but for the known failure an expected one holds to."""
     if not newest_in_series(session, run):
         return
     for v in verdicts:
         if v.verdict == "inconclusive":
             continue
-        reg = session.scalars(select(Regression).where(
+        series = session.scalars(select(Regression).where(
             Regression.fingerprint == run.fingerprint, Regression.patch_set == run.build.patch_set,
             Regression.scenario == v.scenario, Regression.metric == v.metric,
-            Regression.state == "open")).first()
-        if v.verdict == "regression":
+            Regression.state == "open").order_by(Regression.id)).all()
+        holding = (v.evidence or {}).get("known_failure", {}).get("regression_id") \
+            if v.verdict == "expected" else None
+        if v.verdict != "regression":
+            for reg in series:
+                if reg.id == holding:
+                    if reg.last_run_id != run.id:
+                        reg.last_run_id, reg.runs_seen = run.id, reg.runs_seen + 1
+                elif reg.first_run_id != run.id:
+                    reg.state, reg.resolved_run_id, reg.resolved_at = "resolved", run.id, utcnow()
+                    log.info("regression %d resolved by run %d", reg.id, run.id)
+        else:
+            reg = next((r for r in series if not is_known_failure(r)), None)
             if reg is None:
                 reg = Regression(fingerprint=run.fingerprint, patch_set=run.build.patch_set,
                                  scenario=v.scenario, metric=v.metric, config=run.config,
@@ -313,9 +402,6 @@ def track(session: Session, run: Run, verdicts: list[Verdict]) -> None:
                             v.metric, run.id)
             elif reg.last_run_id != run.id:
                 reg.last_run_id, reg.runs_seen = run.id, reg.runs_seen + 1
-        elif reg is not None and reg.first_run_id != run.id:
-            reg.state, reg.resolved_run_id, reg.resolved_at = "resolved", run.id, utcnow()
-            log.info("regression %d resolved by run %d", reg.id, run.id)
     session.flush()
 
 

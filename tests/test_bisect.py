@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import select
 from typer.testing import CliRunner
 
 from evalsvc.bisect import BisectCreate, Bisector
@@ -174,3 +175,44 @@ def test_evalsvc_bisect_dispatches_where_the_settings_say(tmp_path, monkeypatch)
     assert out.exit_code == 2, out.output
     assert "EVALSVC_RAY_ADDRESS is set but ray is not installed" in out.output
     assert not (tmp_path / "cli.db").exists()
+
+
+def test_a_known_failure_is_bad_for_its_own_bisection_and_good_for_a_worse_one(tmp_path,
+                                                                                 bisector):
+    """A step's run that fails as a known failure does (scenario and metric ``expected``) is a
+    bad commit when the bisection searches that known failure (or names no regression), and a
+    good one when it searches the regression that went past it."""
+    from evalsvc.bisect import BisectSpec
+    from evalsvc.store.models import Regression, Run, ScenarioRow, Verdict
+    from evalsvc.store.record import record_results
+    from tests.store.factories import build_ref, run_result
+
+    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded"}
+    [run_id] = record_results(bisector.store, job_id="step", trigger="bisect", spec=spec,
+                              build=build_ref("c1"), matrix="smoke",
+                              results=[run_result("mamba2-eb-ov-c64", {"prefill_hit": [0.05] * 4})],
+                              results_dir=tmp_path)
+    with bisector.store.session() as s:
+        run = s.get(Run, run_id)
+        s.scalars(select(ScenarioRow).where(ScenarioRow.run_id == run_id)).one().verdict = "expected"
+        s.add(Verdict(run_id=run_id, scenario="prefill_hit", metric="kl_k3_mean",
+                      verdict="expected", method="threshold", value=0.05))
+        regs = {}
+        for triage in ("expected", None):
+            reg = Regression(fingerprint=run.fingerprint, scenario="prefill_hit",
+                             metric="kl_k3_mean", config=run.config, matrix="smoke",
+                             state="open", first_run_id=run_id, last_run_id=run_id,
+                             triage=triage)
+            s.add(reg)
+            s.flush()
+            regs[triage] = reg.id
+
+    def judged(regression_id, metric="kl_k3_mean"):
+        step = BisectSpec(repository="r", good="a", bad="b", matrix="smoke",
+                          config="mamba2-eb-ov-c64", scenario="prefill_hit", metric=metric,
+                          regression_id=regression_id, candidates=["b"])
+        return bisector._judge(step, run_id, "c1")[:2]
+
+    assert judged(regs["expected"]) == (True, "expected")
+    assert judged(None, metric=None) == (True, "expected")
+    assert judged(regs[None]) == (False, "expected")

@@ -18,6 +18,7 @@ from evalsvc.store.db import Store
 from evalsvc.store.models import Job, Run, Verdict
 from evalsvc.store.record import BuildRef
 from evalsvc.types import RunResult
+from evalsvc.verdicts import triage_regression
 from tests.store.factories import fingerprint_of, run_result
 
 pytestmark = pytest.mark.usefixtures("engines")
@@ -74,6 +75,34 @@ def test_runs_are_planned_first_then_recorded_and_judged_as_each_ends(db_url, en
     with store.session() as s:
         job = s.get(Job, "cli-a")
         assert (job.status, job.error) == ("done", None) and job.finished_at is not None
+    store.close()
+
+
+def test_a_known_failure_is_expected_in_what_evalsvc_run_prints(db_url, engines, tmp_path):
+    """A scenario that fails as its series' known failure (an open regression triaged expected,
+    with a link) is expected in the recorded result too: the table ``evalsvc run`` prints and
+    its exit status follow the store."""
+    from evalsvc.store.models import Regression
+
+    store = Store(db_url)
+    engines.append(store.engine)
+    start(store, tmp_path, "cli-a", ["m-eb"], track=True).record(
+        config("m-eb"), run_result("m-eb", {"cold": [1e-4] * 4, "prefill_hit": [0.05] * 4}))
+    with store.session() as s:
+        [reg] = s.scalars(select(Regression)).all()
+        triage_regression(s, reg.id, "expected", "known",
+                                  link="https://github.com/sgl-project/sglang/pull/29068")
+    result = run_result("m-eb", {"cold": [1e-4] * 4, "prefill_hit": [0.05] * 4})
+    assert result.verdict == "fail"
+    ref = BuildRef("sgl-project/sglang", sha="def456", committed_at=datetime(2026, 3, 2, tzinfo=UTC))
+    record = JobRecord.start(store, tmp_path / "results", "cli-b", "cli", ref, "smoke",
+                             [config("m-eb")], spec={"matrix_name": "smoke", "engine": "sglang"})
+    record.record(config("m-eb"), result)
+    assert [(x.scenario, x.verdict) for x in result.scenarios] == [("cold", "pass"),
+                                                                  ("prefill_hit", "expected")]
+    assert result.verdict == "expected"
+    assert result.reason.startswith("prefill_hit: known failure (regression #")
+    assert "pull/29068" in result.reason
     store.close()
 
 

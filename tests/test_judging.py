@@ -1,12 +1,24 @@
 """Where a failing extend's KL sits along the extend (``judging.extend_location``), and the
-reasons that name it: a scenario judged against its fixed limits, and a metric judged alone."""
+reasons that name it: a scenario judged against its fixed limits, and a metric judged alone; and a
+known failure's level held (``judging.hold_known``, ``after_history``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from evalsvc.judging import Series, extend_location, judge_metric, judge_scenario, locate_extend
+from evalsvc.judging import (
+    NO_SPEC_COUNTERS,
+    Judgement,
+    KnownFailure,
+    Series,
+    after_history,
+    extend_location,
+    hold_known,
+    judge_metric,
+    judge_scenario,
+    locate_extend,
+)
 from evalsvc.metrics import PositionKL, kl_by_position
 from evalsvc.thresholds import HistorySettings, Limits, MetricLimits
 
@@ -104,3 +116,64 @@ def test_a_high_position_left_in_the_rest_is_named_with_its_level():
     where = extend_location(kl_by_position(k3, np.array([100])))
     assert where == ("k3 5, 0.5, 0.4 at extend positions 2, 7, 11 of 100; other positions at "
                      "0.00319, up to 0.3 (position 30)")
+
+
+PR = "https://github.com/sgl-project/sglang/pull/29068"
+
+
+def known_limits() -> Limits:
+    """A fixed limit of 0.01 and an effect floor of half the level (at least 1e-3)."""
+    lim = MetricLimits(max=0.01, min_effect=1e-3, relative_effect=0.5)
+    return Limits(kl_k3_mean=lim, extend_kl_k3_mean=lim)
+
+
+@pytest.mark.parametrize(("value", "verdict"), [
+    (0.9, "expected"), (0.5, "expected"), (1.3, "expected"),  # past the limit, not past the level
+    (1.4, "regression"),  # past the level by more than its floor (0.45)
+    (0.005, "pass"),  # under the limit: the fix landed
+])
+def test_a_known_failure_holds_its_level_and_not_more(value, verdict):
+    j = judge_metric("prefill_hit", "extend_kl_k3_mean", value, {}, known_limits(), Series(),
+                     HistorySettings())
+    hold_known(j, KnownFailure(7, 0.9, PR), known_limits())
+    assert j.verdict == verdict, j.reason
+    if verdict == "expected":
+        assert j.reason == (f"known failure (regression #7, {PR}): extend KL (k3) {value:.3g} "
+                            "above the limit 0.01")
+        assert j.evidence["known_failure"] == {"regression_id": 7, "link": PR, "level": 0.9,
+                                               "floor": 0.45, "exceeded": False}
+    if verdict == "regression":
+        assert j.reason.endswith(f"; worse than the known failure (regression #7, {PR}: extend "
+                                 "KL (k3) 0.9) by more than the effect floor 0.45")
+
+
+def test_a_pass_at_a_known_level_is_expected_and_acceptance_is_worse_when_lower():
+    """Under the fixed limit (a history-level known failure: its level is the new baseline), a
+    pass within the floor of the level is still the known failure; for acceptance length, lower
+    is worse."""
+    j = Judgement("pooled", "kl_k3_mean", "pass", "history", value=0.006)
+    hold_known(j, KnownFailure(3, 0.005, None), known_limits())
+    assert (j.verdict, j.reason) == ("expected", "known failure (regression #3): mean KL (k3) "
+                                     "0.006 at its level 0.005 (within the effect floor 0.0025)")
+    limits = Limits(accept_length=MetricLimits(min_effect=0.02, relative_effect=0.03))
+    for value, verdict in ((2.0, "expected"), (2.1, "expected"), (1.9, "regression")):
+        j = Judgement("speculative", "accept_length", "regression", "history", value=value)
+        hold_known(j, KnownFailure(4, 2.0, PR), limits)  # floor 0.06
+        assert j.verdict == verdict, value
+
+
+def test_a_scenario_failing_only_as_known_failures_is_expected():
+    known = Judgement("prefill_hit", "extend_kl_k3_mean", "expected", "threshold",
+                      reason="known failure (regression #7): extend KL (k3) 0.9 above the limit")
+    new = Judgement("prefill_hit", "kl_k3_mean", "regression", "threshold",
+                    reason="mean KL (k3) 0.2 above the limit 0.01")
+    ok = Judgement("prefill_hit", "kl_k3_mean", "pass", "threshold")
+    assert after_history("fail", "extend KL (k3) 0.9 above the limit", [known, ok]) == (
+        "expected", known.reason)
+    assert after_history("pass", None, [known, ok]) == ("expected", known.reason)
+    assert after_history("fail", "extend KL (k3) 0.9 above the limit", [known, new]) == (
+        "fail", new.reason)
+    assert after_history("fail", NO_SPEC_COUNTERS, [known, ok]) == ("fail", NO_SPEC_COUNTERS)
+    assert after_history("inconclusive", "too few hits", [known]) == ("inconclusive", "too few hits")
+    assert after_history("expected", known.reason, [ok]) == ("pass", None)  # judged again
+    assert after_history("fail", "why", [ok]) == ("fail", "why")

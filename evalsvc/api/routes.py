@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, Field
 
-from evalsvc import model_catalog
+from evalsvc import model_catalog, verdicts
 from evalsvc.bisect import BisectCreate
 from evalsvc.builds import engine_envs
 from evalsvc.jobs import JobCreate, JobError
@@ -270,10 +270,11 @@ def read_regression(regression_id: RegressionId, session: SessionDep) -> dict[st
 @router.patch("/regressions/{regression_id}", tags=["verdicts"])
 def triage_regression(regression_id: RegressionId, body: TriageUpdate, session: SessionDep,
                       user: WriteUserDep) -> dict[str, Any]:
-    """Triage a regression: acknowledged, expected or fixed, with a comment."""
+    """Triage a regression: acknowledged, expected (a known failure) or fixed, with a comment and
+    a link (an http(s) URL)."""
     try:
-        r = queries.triage_regression(session, regression_id, body.triage, body.comment,
-                                      actor=actor(user, "api"))
+        r = verdicts.triage_regression(session, regression_id, body.triage, body.comment,
+                                      actor=actor(user, "api"), link=body.link)
     except KeyError:
         raise HTTPException(status_code=404, detail=f"no regression {regression_id}") from None
     return queries.regression_dict(session, r)

@@ -2,7 +2,7 @@
 bisection from it, post a job, cancel one.
 
 Each form carries the session's CSRF token and posts here; each action goes through the service
-code the API's routes call (``queries.triage_regression``, ``Bisector.submit``,
+code the API's routes call (``verdicts.triage_regression``, ``Bisector.submit``,
 ``JobService.submit`` and ``cancel``), which records it with the user and the time. Only users of
 role write act (``require_form_write``); the guard refuses the others before the body is read, and
 the pages show them no controls. A refused form comes back with the problem named and nothing
@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from evalsvc.bisect import BisectCreate
 from evalsvc.dashboard.views import job_form, page, problem, regression_page
 from evalsvc.jobs import JobCreate, JobError
-from evalsvc.store import queries
 from evalsvc.store.audit import Actor
 from evalsvc.validation import describe_errors
+from evalsvc.verdicts import triage_regression
 from evalsvc.web.auth import Accounts, User, csrf_matches
 from evalsvc.web.deps import ServicesDep, SessionDep, current_user, require_read
 from evalsvc.web.middleware import WRITES_OFF, read_only
@@ -137,17 +137,19 @@ def delete_session(request: Request, csrf_token: CsrfField = None) -> RedirectRe
 @router.post("/regressions/{regression_id}/triage")
 def create_triage_form(regression_id: RegressionId, request: Request, session: SessionDep,
                        services: ServicesDep, user: FormUser, triage: FormText = "",
-                       comment: FormText = "") -> Any:
-    """Triage a regression (acknowledged, expected, fixed, or untriaged again) with a comment."""
+                       comment: FormText = "", link: FormText = "") -> Any:
+    """Triage a regression (acknowledged, expected, fixed, or untriaged again) with a comment and
+    a link."""
     try:
-        body = TriageUpdate(triage=triage or None, comment=comment.strip() or None)
+        body = TriageUpdate(triage=triage or None, comment=comment.strip() or None,
+                            link=link.strip() or None)
     except ValidationError as exc:
         return regression_page(request, session, regression_id, 422, error=describe_errors(exc),
-                               comment=comment)
+                               comment=comment, link=link)
     try:  # committed before the redirect is answered (the page it leads to shows the triage)
         with services.store.session() as s:
-            queries.triage_regression(s, regression_id, body.triage, body.comment,
-                                      actor=_actor(user))
+            triage_regression(s, regression_id, body.triage, body.comment,
+                                      actor=_actor(user), link=body.link)
     except KeyError:
         return problem(request, 404, f"no regression {regression_id}")
     url = request.url_for("read_regression_page", regression_id=regression_id)

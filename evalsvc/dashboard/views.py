@@ -16,6 +16,7 @@ from datetime import datetime
 from itertools import pairwise, zip_longest
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
@@ -52,7 +53,7 @@ FINISHED = FINISHED_JOB_STATUSES
 LOG_TAIL_BYTES = 8_000
 PAGE_SIZE = 100
 # compare verdicts, worst first: the order of the compare page
-COMPARE_ORDER = ("regression", "fail", "inconclusive", "improvement", "pass")
+COMPARE_ORDER = ("regression", "fail", "inconclusive", "expected", "improvement", "pass")
 REGRESSIONS_SHOWN = 200  # regression_dict reads each one's opening verdict: one query each
 TRIAGE = ("acknowledged", "expected", "fixed")
 
@@ -82,8 +83,18 @@ def as_json(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, indent=indent, sort_keys=indent is not None, default=str)
 
 
+def link_label(url: str) -> str:
+    """A link for reading: a GitHub pull request or issue as "PR #N" or "issue #N", anything
+    else as its host."""
+    parts = urlsplit(url)
+    path = parts.path.strip("/").split("/")
+    if parts.hostname == "github.com" and len(path) >= 4 and path[2] in ("pull", "issues"):
+        return f"{'PR' if path[2] == 'pull' else 'issue'} #{path[3]}"
+    return parts.hostname or url
+
+
 templates.env.filters.update(number=number, when=when, short_ref=short_ref, as_json=as_json,
-                             exp=math.exp, zip_longest=zip_longest)
+                             exp=math.exp, zip_longest=zip_longest, link_label=link_label)
 
 
 def runs_url(request: Request) -> str:
@@ -201,8 +212,9 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
                "models": sorted({r["model"] for r in window["runs"]}),
                "branches": queries.branches(session), "scenarios": SCENARIOS,
                "metrics": TREND_METRICS}
+    known = queries.known_failures_of(session, [r["run_id"] for r in latest])
     return page(request, "overview.html", title="Overview", latest=latest, scenarios=shown,
-                trends=trends, filters=filters, choices=choices,
+                known=known, trends=trends, filters=filters, choices=choices,
                 open_regressions=queries.open_regression_counts(session))
 
 
@@ -379,14 +391,18 @@ def deciding_verdict(verdict: str | None, reason: str | None, judged: list[dict[
     """The metric that decided a scenario's verdict, and its stored verdict (``judged``: the
     scenario's metric verdicts, ``queries.verdict_dict``) where there is one. A fail is decided by
     the first of its metrics, in the order ``judging`` takes them, that regressed (the generated
-    tokens' KL, the extend's KL, acceptance), or else by the metric its reason names; an
-    inconclusive scenario by its hit coverage; a pass (or an error) by none."""
+    tokens' KL, the extend's KL, acceptance), or else by the metric its reason names; a known
+    failure (expected) by the metric it is known for; an inconclusive scenario by its hit
+    coverage; a pass (or an error) by none."""
     if verdict == "fail":
         regressed = {v["metric"]: v for v in judged if v["verdict"] == "regression"}
         for metric in METRICS:
             if metric in regressed:
                 return metric, regressed[metric]
         return reason_metric(reason), None
+    if verdict == "expected":  # a known failure: the metric the known regression holds
+        known = next((v for v in judged if v["verdict"] == "expected"), None)
+        return (known["metric"], known) if known is not None else (reason_metric(reason), None)
     if verdict == "inconclusive":
         coverage = next((v for v in judged if v["method"] == "coverage"), None)
         metric = "hit_coverage" if coverage is not None else reason_metric(reason)
@@ -411,10 +427,19 @@ def cell_lines(metrics: dict[str, dict[str, Any]], decided: str | None) -> list[
     return lines
 
 
+def known_failure(verdicts: list[dict[str, Any]], scenario: str) -> dict[str, Any] | None:
+    """The known failure a scenario fails as: the evidence of its first ``expected`` verdict
+    (regression id, link), None when it has none."""
+    return next((v["evidence"]["known_failure"] for v in verdicts
+                 if v["scenario"] == scenario and v["verdict"] == "expected"
+                 and "known_failure" in (v["evidence"] or {})), None)
+
+
 def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Configs (x builds) by scenarios: per cell the run, verdict (its reason on hover), the
-    metric that decided it (``deciding_verdict``: the extend's KL where that failed), then the
-    generated tokens' KL mean with its interval, hit coverage and acceptance length."""
+    """Configs (x builds) by scenarios: per cell the run, verdict (its reason on hover; the known
+    failure an expected one is), the metric that decided it (``deciding_verdict``: the extend's
+    KL where that failed), then the generated tokens' KL mean with its interval, hit coverage and
+    acceptance length."""
     labels = {(b["commit"], b["patch_set"]): b["label"] for b in builds}
     scenarios = [s for s in SCENARIOS if any(sc["scenario"] == s for r in runs
                                              for sc in r["scenarios"])]
@@ -425,7 +450,8 @@ def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> di
             judged = [v for v in r["verdicts"] if v["scenario"] == sc["scenario"]]
             decided, _ = deciding_verdict(sc["verdict"], sc["reason"], judged)
             cells[sc["scenario"]] = {"verdict": sc["verdict"], "reason": sc["reason"],
-                                     "decided": decided, "lines": cell_lines(sc["metrics"], decided)}
+                                     "decided": decided, "lines": cell_lines(sc["metrics"], decided),
+                                     "known": known_failure(r["verdicts"], sc["scenario"])}
         rows.append({"run": r, "build": labels[(r["commit"], r["patch_set"])], "cells": cells})
     return {"scenarios": scenarios, "rows": rows}
 
@@ -486,13 +512,17 @@ def read_run_page(run_id: RunId, request: Request, session: SessionDep) -> HTMLR
 
 def compare_verdict(baseline: str | None, contender: str | None) -> str:
     """A comparison's verdict from the two sides' scenario verdicts: regression (pass -> fail),
-    improvement (fail -> pass), fail (failing on both), pass, or inconclusive (either side was
-    inconclusive, invalid, errored or missing)."""
-    if baseline not in ("pass", "fail") or contender not in ("pass", "fail"):
+    improvement (fail -> pass), fail (failing on both), pass, expected (the contender fails as a
+    known failure does, and the baseline did not pass), or inconclusive (either side was
+    inconclusive, invalid, errored or missing). A known failure (expected) is a failure, known:
+    pass -> expected is a regression, expected -> pass an improvement."""
+    if baseline not in ("pass", "fail", "expected") or contender not in ("pass", "fail", "expected"):
         return "inconclusive"
-    if baseline == contender:
-        return baseline
-    return "regression" if contender == "fail" else "improvement"
+    if baseline == "pass":
+        return "pass" if contender == "pass" else "regression"
+    if contender == "pass":
+        return "improvement"
+    return contender
 
 
 def compare_decision(row: dict[str, Any], results: dict[tuple[int, str], tuple[str, str | None]],

@@ -15,7 +15,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from evalsvc.matrix import Config
 from evalsvc.paths import inside
 from evalsvc.store.db import Store
-from evalsvc.store.models import Job, Run, utcnow
+from evalsvc.store.models import Job, Run, ScenarioRow, utcnow
 from evalsvc.store.record import (
     BuildRef,
     ensure_build,
@@ -24,7 +24,7 @@ from evalsvc.store.record import (
     record_run,
     write_samples_parquet,
 )
-from evalsvc.types import RunResult
+from evalsvc.types import RunResult, worst
 from evalsvc.verdicts import judge_and_track
 
 log = logging.getLogger("evalsvc.jobs")
@@ -161,11 +161,30 @@ class JobRecord:
         return cls(store, results_dir, job_id, {p.config.fingerprint: p.run_id for p in planned})
 
     def record(self, config: Config, result: RunResult) -> None:
-        failure = record_result(self.store, self.results_dir, self.job_id,
-                                self.runs.pop(config.fingerprint), result)
+        run_id = self.runs.pop(config.fingerprint)
+        failure = record_result(self.store, self.results_dir, self.job_id, run_id, result)
         if failure is not None:
             self.failures.append(failure)
             self.unrecorded.add(config.name)
+        else:
+            self.known_failures(run_id, result)
+
+    def known_failures(self, run_id: int, result: RunResult) -> None:
+        """The scenarios the store judged to fail as known failures do (``expected``) are
+        expected in ``result`` too, and its verdict with them: what ``evalsvc run`` prints and
+        exits with."""
+        with self.store.session() as s:
+            known = dict(s.execute(select(ScenarioRow.scenario, ScenarioRow.reason).where(
+                ScenarioRow.run_id == run_id, ScenarioRow.verdict == "expected")).all())
+        if not known:
+            return
+        for scen in result.scenarios:
+            if scen.scenario in known:
+                scen.verdict, scen.reason = "expected", known[scen.scenario] or ""
+        if result.verdict in ("pass", "fail"):
+            result.verdict, reason = worst((s.scenario, s.verdict, s.reason)
+                                           for s in result.scenarios)
+            result.reason = reason or ""
 
     def finish(self) -> str:
         """Write the job's end; returns its status (``end_job``: failed when every run errored)."""

@@ -226,7 +226,9 @@ class Verdict(Base):
 class Regression(Base):
     """An open question for people: a series (fingerprint, patch set, scenario, metric) that
     regressed, from the run that first showed it until a later run passes again; triaged as
-    acknowledged, expected or fixed."""
+    acknowledged, expected or fixed, with a comment and a link. Triaged expected, it is a known
+    failure: while it is open, later runs of its series no worse than ``expected_level`` (by more
+    than the metric's effect floor) are judged ``expected`` instead of regressions."""
 
     __tablename__ = "regressions"
     __table_args__ = (Index("ix_regressions_series", "fingerprint", "patch_set", "scenario",
@@ -246,6 +248,9 @@ class Regression(Base):
     runs_seen: Mapped[int] = mapped_column(Integer, default=1)
     triage: Mapped[str | None] = mapped_column(String(20))  # acknowledged | expected | fixed
     comment: Mapped[str | None] = mapped_column(Text)
+    link: Mapped[str | None] = mapped_column(String(500))  # an http(s) URL: the issue, the PR
+    # triaged expected: the worst value of the runs it had seen then (the known failure's level)
+    expected_level: Mapped[float | None] = mapped_column(Float)
     triaged_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     opened_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

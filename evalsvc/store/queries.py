@@ -9,8 +9,6 @@ from sqlalchemy import Row, case, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from evalsvc.metrics import paired_difference_cis
-from evalsvc.store import audit
-from evalsvc.store.audit import Actor
 from evalsvc.store.models import (
     Alert,
     Bisection,
@@ -24,7 +22,6 @@ from evalsvc.store.models import (
     Sample,
     ScenarioRow,
     Verdict,
-    utcnow,
 )
 
 SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length",
@@ -261,7 +258,8 @@ def regression_dict(session: Session, r: Regression) -> dict[str, Any]:
             "fingerprint": r.fingerprint, "patch_set": r.patch_set, "scenario": r.scenario,
             "metric": r.metric, "runs_seen": r.runs_seen, "opened_at": r.opened_at,
             "resolved_at": r.resolved_at, "triage": r.triage, "comment": r.comment,
-            "triaged_at": r.triaged_at, "first_run": _run_brief(r.first_run),
+            "link": r.link, "expected_level": r.expected_level, "triaged_at": r.triaged_at,
+            "first_run": _run_brief(r.first_run),
             "last_run": _run_brief(r.last_run), "last_good_run": _run_brief(r.last_good_run),
             "resolved_run": _run_brief(r.resolved_run),
             "evidence": verdict_dict(v) if v is not None else None}
@@ -312,22 +310,6 @@ def regression_bisections(session: Session, regression_ids: list[int]
             out[b.regression_id].append({"id": b.id, "status": b.status,
                                          "first_bad": b.first_bad})
     return out
-
-
-def triage_regression(session: Session, regression_id: int, triage: str | None,
-                      comment: str | None, actor: Actor | None = None) -> Regression:
-    """Set a regression's triage and comment; ``actor``: who did it (an audit event, in the same
-    transaction)."""
-    r = session.get(Regression, regression_id)
-    if r is None:
-        raise KeyError(f"no regression {regression_id}")
-    previous = r.triage
-    r.triage, r.comment, r.triaged_at = triage, comment, utcnow()
-    if actor is not None:
-        audit.record(session, actor, "triage", "regression", r.id, comment=comment,
-                     details={"triage": triage, "previous": previous})
-    session.flush()
-    return r
 
 
 def bisection_dict(b: Bisection) -> dict[str, Any]:
@@ -546,6 +528,21 @@ def commit_summaries(session: Session, *, branch: str | None = None, limit: int 
     return [{"ref": c.ref, "repository": c.repository, "sha": c.sha, "version": c.version,
              "branch": c.branch, "committed_at": c.committed_at,
              "builds": dict(sorted(builds[c.id].items()))} for c in commits]
+
+
+def known_failures_of(session: Session, run_ids: list[int]) -> dict[tuple[int, str], dict[str, Any]]:
+    """The known failures these runs' scenarios fail as (``expected`` verdicts), by (run id,
+    scenario): the first one's regression id and link."""
+    out: dict[tuple[int, str], dict[str, Any]] = {}
+    if run_ids:
+        for run_id, scenario, evidence in session.execute(
+                select(Verdict.run_id, Verdict.scenario, Verdict.evidence)
+                .where(Verdict.run_id.in_(run_ids), Verdict.verdict == "expected")
+                .order_by(Verdict.id)):
+            known = (evidence or {}).get("known_failure")
+            if known:
+                out.setdefault((run_id, scenario), known)
+    return out
 
 
 def scenario_verdicts_of(session: Session, run_ids: list[int]) -> dict[tuple[int, str], str]:

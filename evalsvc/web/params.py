@@ -4,6 +4,7 @@ ids in a path, text both SQLite and PostgreSQL store, a regression's triage."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from fastapi import Path
 from pydantic import AfterValidator, BaseModel, Field
@@ -29,10 +30,33 @@ def _storable(value: str | None) -> str | None:
 StorableText = AfterValidator(_storable)
 
 
+def _web_link(value: str | None) -> str | None:
+    """An http(s) URL with a host, and no spaces or control characters (None and "" for no
+    link)."""
+    if not value:
+        return None
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # raises for a port that is not a number
+    except ValueError:
+        parts, port = None, None
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+            or port == 0 or not value.isprintable() or any(c.isspace() for c in value)):
+        raise ValueError("an http(s) URL, as https://github.com/sgl-project/sglang/pull/29068")
+    return value
+
+
+WebLink = AfterValidator(_web_link)
+
+
 class TriageUpdate(BaseModel):
     model_config = {"extra": "forbid"}
 
     triage: Literal["acknowledged", "expected", "fixed"] | None = Field(
-        ..., description="acknowledged: being looked at; expected: an intended change (its level "
-                         "becomes the new baseline); fixed: a fix is in; null: untriaged")
+        ..., description="acknowledged: being looked at; expected: a known failure or an intended "
+                         "change (later runs of its series no worse than its level are judged "
+                         "expected, and its level is the new baseline); fixed: a fix is in; "
+                         "null: untriaged")
     comment: Annotated[str | None, StorableText] = Field(None, max_length=4000)
+    link: Annotated[str | None, WebLink] = Field(
+        None, max_length=500, description="an http(s) URL: the issue or pull request about it")

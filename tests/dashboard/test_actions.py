@@ -372,3 +372,81 @@ def test_the_job_form_prefills_each_builds_own_source(tmp_path, db_url):
                              ("pypi", "sglang==0.5.17"), ("clean", f"path:{trees['clean']}")):
             form = c.get("/jobs/new", params={"baseline": builds[name].ref}).text
             assert f'name="baseline_source" size="56" value="{source}"' in form, name
+
+
+def test_a_known_failure_triaged_with_its_link_shows_as_expected_on_the_pages(tmp_path, db_url):
+    """A tracked config fails prefill_hit past its limit and opens a regression; triaged expected
+    from its page with a link (a link that is not an http(s) URL is refused, naming the field),
+    the next commit's run is expected there: on the overview and the job page the scenario's
+    verdict is expected, not pass, with the regression and the link beside it."""
+    from evalsvc.alerts import collect
+    from evalsvc.store.record import record_results
+    from evalsvc.verdicts import judge_and_track
+
+    link = "https://github.com/sgl-project/sglang/pull/29068"
+    store = Store(db_url)
+    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded",
+            "track": True}
+
+    def nightly(i: int) -> int:
+        [run_id] = record_results(
+            store, job_id=f"n{i}", trigger="nightly", spec=spec,
+            build=build_ref(f"c{i}", hours=i), matrix="smoke", results_dir=tmp_path / "results",
+            results=[run_result(CONFIG, {"cold": [1e-13, 2e-13], "prefill_hit": [0.05, 0.06]})])
+        with store.session() as s:
+            judge_and_track(s, run_id)
+            collect(s, f"n{i}")
+        return run_id
+
+    try:
+        nightly(0)
+        with store.session() as s:
+            [reg_id] = s.scalars(select(Regression.id)).all()
+        with make_client(tmp_path, db_url) as c:
+            assert sign_in(c, ALICE).status_code == 303
+            page = c.get(f"/regressions/{reg_id}").text
+            assert 'name="link"' in page
+            form = {"triage": "expected", "comment": "the kernel's varlen conv1d",
+                    "csrf_token": csrf_of(page)}
+            refused = c.post(f"/regressions/{reg_id}/triage",
+                             data={**form, "link": "javascript:alert(1)"})
+            assert refused.status_code == 422 and "link: Value error, an http(s) URL" in refused.text
+            assert c.get(f"/api/v1/regressions/{reg_id}").json()["triage"] is None
+            resp = c.post(f"/regressions/{reg_id}/triage", data={**form, "link": link},
+                          follow_redirects=False)
+            assert resp.status_code == 303
+            reg = c.get(f"/api/v1/regressions/{reg_id}").json()
+            assert (reg["triage"], reg["link"]) == ("expected", link)
+            assert reg["expected_level"] == pytest.approx(0.055)
+            assert f'href="{link}"' in c.get(f"/regressions/{reg_id}").text
+            assert f'<div class="triage-link"><a href="{link}"' in c.get("/regressions").text
+            # the API's triage takes the same link, and refuses the same
+            resp = c.patch(f"/api/v1/regressions/{reg_id}", headers=WRITE_TOKEN,
+                           json={"triage": "expected", "link": "ftp://example.com/x"})
+            assert resp.status_code == 422 and "http(s) URL" in resp.text
+            resp = c.patch(f"/api/v1/regressions/{reg_id}", headers=WRITE_TOKEN,
+                           json={"triage": "expected", "comment": "the kernel's varlen conv1d",
+                                 "link": link})
+            assert resp.status_code == 200 and resp.json()["link"] == link
+            assert resp.json()["expected_level"] == pytest.approx(0.055)
+
+            run_id = nightly(1)
+            scenarios = c.get(f"/api/v1/runs/{run_id}").json()["scenarios"]
+            assert {s["scenario"]: s["verdict"] for s in scenarios} == {
+                "cold": "pass", "prefill_hit": "expected"}
+            overview = c.get("/").text
+            cell = re.search(r'<td class="scenario" data-scenario="prefill_hit">(.*?)</td>',
+                             overview, re.S).group(1)
+            assert 'class="badge v-expected"' in cell
+            assert f'/regressions/{reg_id}">#{reg_id}</a>' in cell
+            assert f'class="known-link" href="{link}"' in cell and "PR #29068" in cell
+            job = c.get("/jobs/n1").text
+            cell = re.search(r'<td class="cell" data-scenario="prefill_hit"([^>]*)>(.*?)</td>',
+                             job, re.S)
+            # the metric the known failure holds leads the cell
+            assert cell.group(1) == ' data-decided="kl_k3_mean"'
+            assert 'class="badge v-expected"' in cell.group(2) and f'href="{link}"' in cell.group(2)
+            assert c.get("/api/v1/regressions", params={"state": "open"}).json()[0]["runs_seen"] == 2
+            assert [a["job_id"] for a in c.get("/api/v1/alerts").json()] == ["n0"]
+    finally:
+        store.close()

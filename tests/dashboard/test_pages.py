@@ -257,7 +257,9 @@ def test_compare_lists_regressions_first_with_a_permalink(client):
 @pytest.mark.parametrize(("base", "cont", "verdict"), [
     ("pass", "fail", "regression"), ("fail", "pass", "improvement"), ("pass", "pass", "pass"),
     ("fail", "fail", "fail"), ("inconclusive", "fail", "inconclusive"), ("pass", None, "inconclusive"),
-    ("error", "pass", "inconclusive")])
+    ("error", "pass", "inconclusive"), ("pass", "expected", "regression"),
+    ("expected", "pass", "improvement"), ("expected", "expected", "expected"),
+    ("fail", "expected", "expected"), ("expected", "fail", "fail")])
 def test_compare_verdict(base, cont, verdict):
     assert compare_verdict(base, cont) == verdict
 

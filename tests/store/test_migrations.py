@@ -39,7 +39,7 @@ def test_upgrade_to_head_and_downgrade_to_base(db_url, engines):
     assert current(db_url) is None
     assert tables(db_url, engines) == set()
     upgrade(db_url)
-    assert current(db_url) == head(db_url) == "0006"
+    assert current(db_url) == head(db_url) == "0007"
     assert tables(db_url, engines) == MODEL_TABLES
     upgrade(db_url)  # at head already: nothing to do
     assert current(db_url) == head(db_url)
@@ -154,4 +154,41 @@ def test_0006_adds_the_audit_events_and_keeps_what_was_stored(db_url, engines):
     assert "audit_events" not in tables(db_url, engines)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT id FROM jobs")).scalars().all() == ["old"]
+    engine.dispose()
+
+
+def test_0007_gives_regressions_a_link_and_a_level_and_keeps_their_triage(db_url, engines):
+    """A regression triaged expected at 0006 has no link after 0007, and the level of its
+    opening verdict; down again, its triage and comment stay."""
+    upgrade(db_url, "0006")
+    engine = make_engine(db_url)
+    engines.append(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO commits (id, ref, repository, sha) "
+                          "VALUES (1, 'r@c1', 'r', 'c1')"))
+        conn.execute(text("INSERT INTO builds (id, commit_id, patch_set, created_at) "
+                          "VALUES (1, 1, '', CURRENT_TIMESTAMP)"))
+        conn.execute(text("INSERT INTO jobs (id, trigger, status, priority, spec, created_at, "
+                          "attempts) VALUES ('j', 'nightly', 'done', 0, '{}', CURRENT_TIMESTAMP, 0)"))
+        conn.execute(text("INSERT INTO runs (id, job_id, build_id, config, matrix, model, "
+                          "fingerprint, settings, requested_args, status, created_at) VALUES "
+                          "(1, 'j', 1, 'c', 'smoke', 'm', 'f', '{}', '{}', 'done', "
+                          "CURRENT_TIMESTAMP)"))
+        conn.execute(text("INSERT INTO regressions (id, fingerprint, patch_set, scenario, metric, "
+                          "config, matrix, state, first_run_id, last_run_id, runs_seen, triage, "
+                          "comment, opened_at) VALUES (1, 'f', '', 'prefill_hit', 'kl_k3_mean', "
+                          "'c', 'smoke', 'open', 1, 1, 1, 'expected', 'known', CURRENT_TIMESTAMP)"))
+        conn.execute(text("INSERT INTO verdicts (run_id, scenario, metric, verdict, method, value) "
+                          "VALUES (1, 'prefill_hit', 'kl_k3_mean', 'regression', 'threshold', 0.25), "
+                          "(1, 'prefill_hit', 'extend_kl_k3_mean', 'regression', 'threshold', 9)"))
+    upgrade(db_url, "0007")
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT triage, comment, link, expected_level "
+                                 "FROM regressions")).all() == [("expected", "known", None, 0.25)]
+        conn.execute(text("UPDATE regressions SET link = 'https://example.com/pull/1', "
+                          "expected_level = 0.5"))
+    downgrade(db_url, "0006")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT triage, comment FROM regressions")).all() == [
+            ("expected", "known")]
     engine.dispose()
