@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from sqlalchemy import update
+from sqlalchemy import case, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.matrix import Config
@@ -106,15 +106,24 @@ def cancel_pending(session, job_id: str) -> None:
                     .values(status="cancelled", finished_at=utcnow()))
 
 
-def end_job(session, job_id: str, status: str, error: str | None) -> None:
+def end_job(session, job_id: str, status: str, error: str | None) -> str | None:
     """Write the end of a running job: its pending runs are cancelled, and a run still marked
-    running (its end could not be written) is an error."""
+    running (its end could not be written) is an error. A job whose cancel was asked
+    (``cancel_requested_at``, which a cancel writes only while the job runs) ends cancelled
+    whatever ``status`` says: the store decides, so a cancel answered ``cancelling`` and the
+    runner's end cannot disagree. Returns the status written, None if the job was not running."""
     cancel_pending(session, job_id)
     session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
                     .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
                             reason=f"it ended but could not be recorded: {error or 'unknown'}"))
-    session.execute(update(Job).where(Job.id == job_id, Job.status == "running")
-                    .values(status=status, error=error, finished_at=utcnow()))
+    asked = Job.cancel_requested_at.is_not(None)
+    ended = session.execute(
+        update(Job).where(Job.id == job_id, Job.status == "running")
+        .values(status=case((asked, "cancelled"), else_=status),
+                error=case((asked, None), else_=error), finished_at=utcnow())).rowcount
+    if not ended:
+        return None
+    return session.scalar(select(Job.status).where(Job.id == job_id))
 
 
 class JobRecord:
