@@ -23,6 +23,7 @@ from evalsvc.store import shown_url
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
+from evalsvc.store.sessions import revoked
 from evalsvc.web.auth import OPEN_USER, Accounts, User
 from evalsvc.web.middleware import USER_SCOPE_KEY, WRITES_OFF
 
@@ -129,6 +130,16 @@ def get_session(services: Annotated[Services, Depends(get_services)]) -> Iterato
         yield s
 
 
+def session_ended(app, session_id: str | None) -> bool:
+    """Whether a dashboard session was ended by signing out (``evalsvc.store.sessions``); with
+    no store open yet, no session can be checked: ended."""
+    services: Services | None = getattr(app.state, "services", None)
+    if services is None or session_id is None:
+        return True
+    with services.store.session() as s:
+        return revoked(s, session_id)
+
+
 def current_user(request: Request) -> User | None:
     """Who the request is (the guard found it: ``HttpGuard``); None: nobody."""
     if USER_SCOPE_KEY not in request.scope:  # an app without the guard: ask again
@@ -138,6 +149,10 @@ def current_user(request: Request) -> User | None:
         headers = {k.lower(): v for k, v in request.scope.get("headers", [])}
         try:
             user = accounts.identify(bearer, request.scope.get("session"), headers)
+            if (user is not None and user.how == "session"
+                    and session_ended(request.app, user.session_id)):
+                request.scope["session"].clear()
+                user = accounts.identify(b"", None, headers)
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
         request.scope[USER_SCOPE_KEY] = user if user or accounts.guarded else OPEN_USER
