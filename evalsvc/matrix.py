@@ -335,6 +335,8 @@ class Thresholds(RuleBody):
     @classmethod
     def _per_scenario(cls, value: Any) -> Any:
         """One fraction, or one per scenario: each checked alone, so the message names it."""
+        if value is None:
+            return None
         given = value.items() if isinstance(value, dict) else [(None, value)]
         for key, fraction in given:
             if key is not None and key not in SCENARIOS:

@@ -252,6 +252,18 @@ def test_a_matrixs_thresholds_apply_per_scenario_over_the_file():
     assert again.kl_k3_mean.model_fields_set == {"max"}
 
 
+@pytest.mark.parametrize("thresholds", [None, {"kl_k3_mean": 2e-3},
+                                        {"min_hit_coverage": {"prefill_hit": 0.25}}])
+def test_a_matrix_reads_back_as_it_was_stored(thresholds):
+    """A job's matrix as stored (JSON) is what its runner and workers validate again."""
+    from evalsvc.matrix import MatrixFile
+
+    matrix = MatrixFile.model_validate(inline(**({"thresholds": thresholds} if thresholds
+                                                 else {})))
+    again = MatrixFile.model_validate(json.loads(json.dumps(matrix.model_dump(mode="json"))))
+    assert again == matrix
+
+
 # ---- 3. identifiers that become paths --------------------------------------------------------
 
 @pytest.mark.parametrize(("change", "field"), [
