@@ -26,6 +26,7 @@ from evalsvc.store.lock import StoreLock
 from evalsvc.store.sessions import revoked
 from evalsvc.web.auth import OPEN_USER, Accounts, User
 from evalsvc.web.middleware import USER_SCOPE_KEY, WRITES_OFF
+from evalsvc.web.redact import Shown, for_reader
 
 log = logging.getLogger("evalsvc.api")
 
@@ -188,6 +189,11 @@ def require_read(request: Request, _creds: BearerDep) -> User | None:
     return user
 
 
+def get_shown(request: Request) -> Shown:
+    """How the request's user sees server paths in errors and reasons (``web.redact``)."""
+    return for_reader(current_user(request), request.app.state.settings.data_dir)
+
+
 def actor(user: User, via: str) -> Actor:
     return Actor(user.name, via)
 
@@ -195,3 +201,4 @@ def actor(user: User, via: str) -> Actor:
 ServicesDep = Annotated[Services, Depends(get_services)]
 SessionDep = Annotated[Session, Depends(get_session)]
 WriteUserDep = Annotated[User, Depends(require_write)]
+ShownDep = Annotated[Shown, Depends(get_shown)]
