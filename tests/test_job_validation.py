@@ -294,6 +294,32 @@ def test_inside_keeps_paths_under_their_root(tmp_path):
 
 # ---- 4. local files -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("ray", [False, True])
+def test_model_paths_are_checked_at_submission(tmp_path, ray):
+    """A model path is checked when the job is submitted, by the service, whatever runs it (an
+    engine slot here, or a Ray worker): no job is stored, no run reaches a worker with it."""
+    from evalsvc.jobs.spec import JobCreate, JobError, validate_job
+
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'j.db'}",
+                        nightly=False, engine_python=FAKE_PYTHON,
+                        ray_address="ray://127.0.0.1:10001" if ray else None)
+    sglang = {"engine": "sglang"}
+    for change, words in (
+            ({"models": {"m": {"path": str(empty)}}}, ["models.m.path",
+                                                       "neither a shipped model"]),
+            ({"models": {"m": {"path": "/no/such/model"}}, **sglang},
+             ["models.m.path", "no such directory"]),
+            ({"models": {"m": {"path": "-x"}}, **sglang}, ["models.m.path", "starts with '-'"])):
+        with pytest.raises(JobError) as exc:
+            validate_job(JobCreate(matrix=inline(**change)), settings)
+        for word in words:
+            assert word in str(exc.value), str(exc.value)
+    with pytest.raises(JobError, match=r"models\.m\.path"):
+        validate_job(JobCreate(matrix=inline(), model=str(empty)), settings)
+
+
 def test_api_jobs_name_matrices_only(client, tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump(inline()))
