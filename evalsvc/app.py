@@ -24,7 +24,7 @@ from evalsvc.settings import Settings
 from evalsvc.store.lock import StoreLocked
 from evalsvc.validation import describe_errors
 from evalsvc.web.auth import Accounts, session_secret
-from evalsvc.web.deps import Services, require_read
+from evalsvc.web.deps import Services, require_read, session_ended
 from evalsvc.web.middleware import HttpGuard
 
 log = logging.getLogger("evalsvc.api")
@@ -70,7 +70,8 @@ def create_app(settings: Settings | None = None, *, start_runner: bool = True) -
     app.state.accounts = accounts = Accounts(settings, secret)
     # auth, parameters and body size before any route runs; outside it only the session cookie,
     # which the guard reads (a signed, HttpOnly, SameSite cookie of the dashboard's sign-in)
-    app.add_middleware(HttpGuard, settings=settings, accounts=accounts)
+    app.add_middleware(HttpGuard, settings=settings, accounts=accounts,
+                       session_ended=lambda session_id: session_ended(app, session_id))
     app.add_middleware(SessionMiddleware, secret_key=secret, session_cookie=SESSION_COOKIE,
                        max_age=settings.session_max_age_s, same_site="lax",
                        https_only=settings.session_https_only)

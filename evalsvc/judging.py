@@ -203,8 +203,7 @@ def scenario_limits(config: Config, matrix: MatrixFile | None, scenario: str, *,
     return limits_for(matrix=config.matrix, engine=engine or (matrix.engine if matrix else "embedded"),
                       config=config.name, model=config.model, settings=config.settings,
                       scenario=scenario, thresholds=thresholds,
-                      matrix_thresholds=(matrix.thresholds.model_dump(exclude_none=True)
-                                         if matrix is not None else None),
+                      matrix_thresholds=matrix.thresholds if matrix is not None else None,
                       accept_floor=config.accept_floor)
 
 

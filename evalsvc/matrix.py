@@ -20,14 +20,23 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from evalsvc import validation
 from evalsvc.engines.sglang_server import TREE_CORE_ENV
@@ -72,6 +81,28 @@ SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
     "mamba_max_states_per_path", "enable_int8_mamba_checkpoint", "int8_mamba_ckpt_size",
 })
 ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
+# The numeric flags' ranges (ServerArgs' own: sizes, counts and intervals are positive, fractions
+# lie in (0, 1]); a value outside is refused at submission, naming the flag
+_COUNT = Annotated[int, Field(ge=1, lt=INT32)]
+_FRACTION = Annotated[float, Field(gt=0, le=1)]
+_PROBABILITY = Annotated[float, Field(ge=0, le=1)]
+_POSITIVE = Annotated[float, Field(gt=0, lt=INT32)]
+FLAG_RANGES = {
+    **dict.fromkeys(("mamba_track_interval", "max_mamba_cache_size", "max_running_requests",
+                     "max_total_tokens", "page_size", "context_length", "cuda_graph_max_bs",
+                     "torch_compile_max_bs", "max_prefill_tokens", "stream_interval",
+                     "max_queued_requests", "num_continuous_decode_steps",
+                     "triton_attention_num_kv_splits", "mamba_max_states_per_path",
+                     "int8_mamba_ckpt_size"), _COUNT),
+    "hicache_size": Annotated[int, Field(ge=0, lt=INT32)],  # GB; 0: HiCache's ratio decides
+    "random_seed": Annotated[int, Field(ge=0, lt=INT64)],
+    "mem_fraction_static": _FRACTION,
+    "mamba_full_memory_ratio": _FRACTION,
+    "speculative_accept_threshold_single": _PROBABILITY,
+    "speculative_accept_threshold_acc": _PROBABILITY,
+    "schedule_conservativeness": _POSITIVE,
+    "watchdog_timeout": _POSITIVE,
+}
 # SGLang's radix-tree core (0.5.19 and later: ``python`` or ``rust``; the ``radix_tree_core`` axis
 # sets it per config). The embedded engine takes it too, and runs Python, as SGLang falls back.
 TREE_CORES = ("python", "rust")
@@ -118,6 +149,13 @@ def check_extra_args(extra_args: dict[str, Any], engine: str) -> None:
         if flag not in allowed:
             raise ValueError(f"{where}: not an engine flag a matrix may set for the {engine} "
                              f"engine (allowed: {', '.join(sorted(allowed))})")
+        if flag in FLAG_RANGES and value is not None:
+            if isinstance(value, bool):
+                raise ValueError(f"{where}: {value} is not a number")
+            try:
+                _flag_adapter(flag).validate_python(value)
+            except ValidationError as exc:
+                raise ValueError(f"{where}: {shown(value)}: {exc.errors()[0]['msg']}") from None
         if value is None or isinstance(value, bool):
             continue
         if isinstance(value, int):
@@ -135,6 +173,11 @@ def check_extra_args(extra_args: dict[str, Any], engine: str) -> None:
         else:
             raise ValueError(f"{where}: a {type(value).__name__} is not a scalar (a number, a "
                              "boolean or a word)")
+
+
+@cache
+def _flag_adapter(flag: str) -> TypeAdapter:
+    return TypeAdapter(FLAG_RANGES[flag], config=ConfigDict(allow_inf_nan=False))
 
 
 def value_problem(axis: str, value: Any, models: dict[str, Any]) -> str | None:
@@ -232,14 +275,88 @@ class WorkloadSpec(Strict):
     concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=4096)
 
 
-class Thresholds(Strict):
-    """A matrix's own thresholds, applied after ``configs/thresholds.yaml`` (for inline matrices);
-    see ``evalsvc.thresholds`` for the fields."""
+# ---- thresholds: one definition for configs/thresholds.yaml and a matrix's own -------------------
+# (evalsvc.thresholds applies them; here because a matrix carries them)
 
-    kl_k3_mean: float | dict[str, float | None] | None = None
-    accept_length: float | dict[str, float | None] | None = None
-    min_hit_coverage: float | dict[str, float] | None = None
+Coverage = Annotated[float, Field(ge=0, le=1)]  # a fraction of the prompt tokens the cache served
+_COVERAGE = TypeAdapter(Coverage, config=ConfigDict(allow_inf_nan=False))
+METRIC_NAMES = ("kl_k3_mean", "extend_kl_k3_mean", "accept_length")
+
+
+class MetricLimits(Strict):
+    """The limits of one metric: a KL divergence or an accept length, neither ever negative."""
+
+    max: float | None = Field(None, ge=0)
+    min: float | None = Field(None, ge=0)
+    min_effect: float | None = Field(None, ge=0)
+    relative_effect: float | None = Field(None, ge=0)
+    tail: bool | None = None
+    tail_factor: float | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> MetricLimits:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _given(self, handler) -> dict[str, Any]:
+        """The limits given, none of the others: read back, it sets the same fields alone (a rule
+        overrides only what it sets)."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class RuleBody(Strict):
+    """What a rule of ``configs/thresholds.yaml`` sets (its ``defaults`` too)."""
+
+    kl_k3_mean: MetricLimits | None = None
+    extend_kl_k3_mean: MetricLimits | None = None
+    accept_length: MetricLimits | None = None
+    min_hit_coverage: Coverage | None = None
     bit_exact: bool | None = None
+
+    @field_validator(*METRIC_NAMES, mode="before")
+    @classmethod
+    def _number_is_limit(cls, value: Any, info) -> Any:
+        """``kl_k3_mean: 1e-8`` is short for ``{max: 1e-8}`` (``{min: ...}`` for acceptance)."""
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return {"min" if info.field_name == "accept_length" else "max": value}
+        return value
+
+
+class Thresholds(RuleBody):
+    """A matrix's own thresholds, applied after ``configs/thresholds.yaml`` to each of its
+    configs (the fields and ranges of a rule there; see ``evalsvc.thresholds``), with
+    ``min_hit_coverage`` also per scenario (``{prefill_hit: 0.5, ...}``)."""
+
+    min_hit_coverage: Coverage | dict[str, Coverage] | None = None
+
+    @field_validator("min_hit_coverage", mode="before")
+    @classmethod
+    def _per_scenario(cls, value: Any) -> Any:
+        """One fraction, or one per scenario: each checked alone, so the message names it."""
+        if value is None:
+            return None
+        given = value.items() if isinstance(value, dict) else [(None, value)]
+        for key, fraction in given:
+            if key is not None and key not in SCENARIOS:
+                raise ValueError(f"{shown(key)} is not a scenario (known: {', '.join(SCENARIOS)}; "
+                                 "the limits apply to every config)")
+            try:
+                _COVERAGE.validate_python(fraction)
+            except ValidationError as exc:
+                where = f"{key}: " if key is not None else ""
+                raise ValueError(f"{where}{shown(fraction)}: {exc.errors()[0]['msg']} (a fraction "
+                                 "of the prompt tokens)") from None
+        return value
+
+    def for_scenario(self, scenario: str) -> RuleBody:
+        """The rule these thresholds make for one scenario."""
+        cov = self.min_hit_coverage
+        if isinstance(cov, dict):
+            cov = cov.get(scenario)
+        return RuleBody(**{k: getattr(self, k) for k in RuleBody.model_fields
+                           if k != "min_hit_coverage"}, min_hit_coverage=cov)
 
 
 class ReferenceSpec(Strict):

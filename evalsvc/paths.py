@@ -40,3 +40,17 @@ def inside(root: str | Path, *parts: str | Path) -> Path:
     if not path.is_relative_to(base):
         raise ValueError(f"{'/'.join(map(str, parts))!r} is not inside {base}")
     return path
+
+
+def keep_earlier(path: Path) -> Path | None:
+    """A file of an earlier attempt at ``path`` (the engine log of a run done again after a
+    restart) moved aside to ``NAME.attempt-N``, N the first number free from 1, so that the new
+    attempt's file takes its place and none is lost; returns where it went (None: none there)."""
+    if not path.exists():
+        return None
+    n = 1
+    while (path.with_name(f"{path.name}.attempt-{n}")).exists():
+        n += 1
+    target = path.with_name(f"{path.name}.attempt-{n}")
+    path.rename(target)
+    return target

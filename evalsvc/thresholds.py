@@ -32,7 +32,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from evalsvc.matrix import AXES, CONFIGS_DIR, DEFAULTS, SCENARIOS, Strict
+from evalsvc.matrix import (  # the rules' fields: one definition with a matrix's own
+    AXES,
+    CONFIGS_DIR,
+    DEFAULTS,
+    METRIC_NAMES,
+    SCENARIOS,
+    MetricLimits,
+    RuleBody,
+    Strict,
+    Thresholds,
+)
 from evalsvc.validation import describe_errors
 
 THRESHOLDS_FILE = CONFIGS_DIR / "thresholds.yaml"
@@ -41,34 +51,6 @@ MATCH_KEYS = {"matrix", "engine", "config", "model", "scenario"} | (set(AXES) - 
 
 class ThresholdError(ValueError):
     """A thresholds file that cannot be used; the message names the file and the key."""
-
-
-class MetricLimits(Strict):
-    max: float | None = None
-    min: float | None = None
-    min_effect: float | None = Field(None, ge=0)
-    relative_effect: float | None = Field(None, ge=0)
-    tail: bool | None = None
-    tail_factor: float | None = Field(None, ge=1)
-
-
-METRIC_NAMES = ("kl_k3_mean", "extend_kl_k3_mean", "accept_length")
-
-
-class RuleBody(Strict):
-    kl_k3_mean: MetricLimits | None = None
-    extend_kl_k3_mean: MetricLimits | None = None
-    accept_length: MetricLimits | None = None
-    min_hit_coverage: float | None = Field(None, ge=0, le=1)
-    bit_exact: bool | None = None
-
-    @field_validator(*METRIC_NAMES, mode="before")
-    @classmethod
-    def _number_is_limit(cls, value: Any, info) -> Any:
-        """``kl_k3_mean: 1e-8`` is short for ``{max: 1e-8}`` (``{min: ...}`` for acceptance)."""
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return {"min" if info.field_name == "accept_length" else "max": value}
-        return value
 
 
 class Rule(RuleBody):
@@ -164,7 +146,7 @@ def _apply(limits: Limits, body: RuleBody) -> None:
 
 def limits_for(*, matrix: str, engine: str, config: str, model: str, settings: dict[str, Any],
                scenario: str, thresholds: ThresholdsFile | None = None,
-               matrix_thresholds: dict[str, Any] | None = None,
+               matrix_thresholds: Thresholds | None = None,
                accept_floor: float | None = None) -> Limits:
     """The limits for one config (name, model key, axis settings) and scenario."""
     thresholds = thresholds or load_thresholds()
@@ -176,21 +158,8 @@ def limits_for(*, matrix: str, engine: str, config: str, model: str, settings: d
         if matches(rule.match, facts):
             _apply(limits, rule)
             limits.rules.append(i)
-    if matrix_thresholds:
-        _apply(limits, matrix_body(matrix_thresholds, scenario))
+    if matrix_thresholds is not None:
+        _apply(limits, matrix_thresholds.for_scenario(scenario))
     if accept_floor is not None:
         limits.accept_length = limits.accept_length.model_copy(update={"min": accept_floor})
     return limits
-
-
-def matrix_body(raw: dict[str, Any], scenario: str) -> RuleBody:
-    """A matrix's own ``thresholds`` (``kl_k3_mean``, ``min_hit_coverage`` per scenario, ...)."""
-    raw = dict(raw)
-    cov = raw.pop("min_hit_coverage", None)
-    body = RuleBody.model_validate({k: v for k, v in raw.items() if v is not None})
-    if isinstance(cov, dict):
-        if scenario in cov:
-            body.min_hit_coverage = cov[scenario]
-    elif cov is not None:
-        body.min_hit_coverage = cov
-    return body

@@ -11,12 +11,12 @@ import pytest
 from sqlalchemy import select
 
 from evalsvc.harness import decide
-from evalsvc.jobs.record import JobRecord
+from evalsvc.jobs.record import JobRecord, end_job
 from evalsvc.matrix import Config, load_matrix
 from evalsvc.store import queries
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job, Run, Verdict
-from evalsvc.store.record import BuildRef
+from evalsvc.store.record import BuildRef, ensure_job
 from evalsvc.types import RunResult
 from evalsvc.verdicts import triage_regression
 from tests.store.factories import fingerprint_of, run_result
@@ -116,6 +116,27 @@ def test_a_job_stopped_before_its_runs_ended_is_cancelled(db_url, engines, tmp_p
         assert s.get(Job, "cli-b").status == "cancelled"
     assert {c: r.status for c, r in runs(store, "cli-b").items()} == {"m-eb": "done",
                                                                      "m-nb": "cancelled"}
+    store.close()
+
+
+def test_the_store_ends_a_job_whose_cancel_it_holds_cancelled(db_url, engines):
+    """``end_job`` on a running job whose cancel was written (``cancel_requested_at``): it ends
+    cancelled whatever the runner says (a cancel answered cancelling and the runner's end cannot
+    disagree); a job no longer running is left alone."""
+    store = Store(db_url)
+    engines.append(store.engine)
+    with store.session() as s:
+        for job_id in ("api-asked", "api-not-asked"):
+            ensure_job(s, job_id, "api", {"matrix_name": "smoke"}, status="running")
+        s.get(Job, "api-asked").cancel_requested_at = datetime.now(UTC)
+    with store.session() as s:
+        assert end_job(s, "api-asked", "failed", "run 1: broke") == ("cancelled", None)
+        assert end_job(s, "api-not-asked", "failed", "run 2: broke") == ("failed", "run 2: broke")
+    with store.session() as s:
+        assert end_job(s, "api-asked", "done", None) == (None, None)
+        asked, other = s.get(Job, "api-asked"), s.get(Job, "api-not-asked")
+        assert (asked.status, asked.error) == ("cancelled", None) and asked.finished_at
+        assert (other.status, other.error) == ("failed", "run 2: broke")
     store.close()
 
 

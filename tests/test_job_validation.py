@@ -176,6 +176,94 @@ def test_the_command_builders_bind_loopback_only():
         build_command(args, port=1, python="python", host="0.0.0.0")
 
 
+@pytest.mark.parametrize(("flag", "value"), [
+    ("mamba_track_interval", -5), ("mamba_track_interval", 0), ("mamba_track_interval", 1.5),
+    ("mamba_track_interval", True), ("max_running_requests", -1), ("page_size", 0),
+    ("mem_fraction_static", 0), ("mem_fraction_static", 1.5), ("random_seed", -1),
+    ("hicache_size", -1), ("max_total_tokens", "many")])
+def test_numeric_engine_flags_are_in_their_ranges(client, tmp_path, flag, value):
+    refused(client, tmp_path, {"matrix": inline(extra_args={flag: value})},
+            f"matrix.extra_args.{flag}")
+
+
+def test_numeric_engine_flags_in_their_ranges_are_accepted(client):
+    ok = {"mamba_track_interval": 1, "max_running_requests": 4, "mem_fraction_static": 1.0,
+          "random_seed": 0, "hicache_size": 0, "max_total_tokens": 8192}
+    resp = client.post("/api/v1/jobs", json={"matrix": inline(extra_args=ok)})
+    assert resp.status_code == 201, resp.text
+
+
+# ---- 2b. thresholds: the ranges of configs/thresholds.yaml --------------------------------------
+
+@pytest.mark.parametrize(("thresholds", "field"), [
+    ({"min_hit_coverage": 5}, "matrix.thresholds.min_hit_coverage"),
+    ({"min_hit_coverage": -0.1}, "matrix.thresholds.min_hit_coverage"),
+    ({"min_hit_coverage": {"prefill_hit": 5}}, "matrix.thresholds.min_hit_coverage: prefill_hit"),
+    ({"kl_k3_mean": -1}, "matrix.thresholds.kl_k3_mean.max"),
+    ({"kl_k3_mean": {"max": 1e-3, "min_effect": -1}}, "matrix.thresholds.kl_k3_mean.min_effect"),
+    ({"extend_kl_k3_mean": {"tail_factor": 0.5}}, "matrix.thresholds.extend_kl_k3_mean"),
+    ({"accept_length": {"min": 3, "max": 2}}, "matrix.thresholds.accept_length"),
+    # a config's name where the limits' fields go: the limits apply to every config
+    ({"kl_k3_mean": {"m-no-such-config": 1e-3}}, "matrix.thresholds.kl_k3_mean.m-no-such-config"),
+    ({"min_hit_coverage": {"m-no-such-config": 0.5}}, "matrix.thresholds.min_hit_coverage"),
+])
+def test_thresholds_out_of_range_are_refused_naming_the_field(client, tmp_path, thresholds,
+                                                              field):
+    refused(client, tmp_path, {"matrix": inline(thresholds=thresholds)}, field)
+
+
+def test_a_matrix_and_the_thresholds_file_share_one_definition(client, tmp_path):
+    """The thresholds file refuses what a matrix is refused, and a matrix takes what the file
+    takes (extend_kl_k3_mean, tail), per scenario for min_hit_coverage; stored as given."""
+    from evalsvc.matrix import RuleBody, Thresholds
+    from evalsvc.thresholds import ThresholdError, load_thresholds
+
+    assert issubclass(Thresholds, RuleBody)
+    path = tmp_path / "t.yaml"
+    for body in ("min_hit_coverage: 5", "kl_k3_mean: -1"):
+        path.write_text(f"defaults:\n  {body}\n")
+        with pytest.raises(ThresholdError, match=f"defaults.{body.split(':')[0]}"):
+            load_thresholds(path)
+    given = {"kl_k3_mean": 2e-3, "extend_kl_k3_mean": {"max": 1e-3, "tail": True},
+             "min_hit_coverage": {"prefill_hit": 0.25}}
+    resp = client.post("/api/v1/jobs", json={"matrix": inline(thresholds=given)})
+    assert resp.status_code == 201, resp.text
+    stored = client.get(f"/api/v1/jobs/{resp.json()['id']}").json()["spec"]["matrix"]
+    assert stored["thresholds"]["kl_k3_mean"] == {"max": 2e-3}
+    assert stored["thresholds"]["min_hit_coverage"] == {"prefill_hit": 0.25}
+
+
+def test_a_matrixs_thresholds_apply_per_scenario_over_the_file():
+    from evalsvc.matrix import Thresholds
+    from evalsvc.thresholds import limits_for
+
+    own = Thresholds.model_validate({"kl_k3_mean": 2e-3,
+                                     "min_hit_coverage": {"prefill_hit": 0.25}})
+    hit = limits_for(matrix="x", engine="sglang", config="c", model="m", settings={},
+                     scenario="prefill_hit", matrix_thresholds=own)
+    # the matrix's max, the file's effect floors kept (a rule overrides only what it sets)
+    assert (hit.kl_k3_mean.max, hit.kl_k3_mean.min_effect) == (2e-3, 5e-4)
+    assert hit.min_hit_coverage == 0.25
+    branching = limits_for(matrix="x", engine="sglang", config="c", model="m", settings={},
+                           scenario="branching", matrix_thresholds=own)
+    assert branching.min_hit_coverage == 0.5  # the file's rule for hit scenarios
+    # stored and read back (a job's JSON), the same fields alone are set
+    again = Thresholds.model_validate(own.model_dump(mode="json"))
+    assert again.kl_k3_mean.model_fields_set == {"max"}
+
+
+@pytest.mark.parametrize("thresholds", [None, {"kl_k3_mean": 2e-3},
+                                        {"min_hit_coverage": {"prefill_hit": 0.25}}])
+def test_a_matrix_reads_back_as_it_was_stored(thresholds):
+    """A job's matrix as stored (JSON) is what its runner and workers validate again."""
+    from evalsvc.matrix import MatrixFile
+
+    matrix = MatrixFile.model_validate(inline(**({"thresholds": thresholds} if thresholds
+                                                 else {})))
+    again = MatrixFile.model_validate(json.loads(json.dumps(matrix.model_dump(mode="json"))))
+    assert again == matrix
+
+
 # ---- 3. identifiers that become paths --------------------------------------------------------
 
 @pytest.mark.parametrize(("change", "field"), [
@@ -205,6 +293,32 @@ def test_inside_keeps_paths_under_their_root(tmp_path):
 
 
 # ---- 4. local files -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ray", [False, True])
+def test_model_paths_are_checked_at_submission(tmp_path, ray):
+    """A model path is checked when the job is submitted, by the service, whatever runs it (an
+    engine slot here, or a Ray worker): no job is stored, no run reaches a worker with it."""
+    from evalsvc.jobs.spec import JobCreate, JobError, validate_job
+
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'j.db'}",
+                        nightly=False, engine_python=FAKE_PYTHON, models_dir=tmp_path,
+                        ray_address="ray://127.0.0.1:10001" if ray else None)
+    sglang = {"engine": "sglang"}
+    for change, words in (
+            ({"models": {"m": {"path": str(empty)}}}, ["models.m.path", "no config.json"]),
+            ({"models": {"m": {"path": "/no/such/model"}}, **sglang},
+             ["models.m.path", "outside the directories models are served from",
+              "EVALSVC_MODELS_DIR="]),
+            ({"models": {"m": {"path": "-x"}}, **sglang}, ["models.m.path", "unknown model '-x'"])):
+        with pytest.raises(JobError) as exc:
+            validate_job(JobCreate(matrix=inline(**change)), settings)
+        for word in words:
+            assert word in str(exc.value), str(exc.value)
+    with pytest.raises(JobError, match=r"model: no model directory .* \(no config\.json\)"):
+        validate_job(JobCreate(matrix=inline(), model=str(empty)), settings)
+
 
 def test_api_jobs_name_matrices_only(client, tmp_path):
     path = tmp_path / "mine.yaml"

@@ -18,8 +18,17 @@ from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression
 from evalsvc.verdicts import compare_builds
-from evalsvc.web.deps import ServicesDep, SessionDep, WriteUserDep, actor, require_read, require_write
+from evalsvc.web.deps import (
+    ServicesDep,
+    SessionDep,
+    ShownDep,
+    WriteUserDep,
+    actor,
+    require_read,
+    require_write,
+)
 from evalsvc.web.params import JobId, RegressionId, RunId, StorableText, TriageUpdate
+from evalsvc.web.redact import Shown, job_as_seen, run_as_seen
 
 router = APIRouter(dependencies=[Depends(require_read)])
 
@@ -61,11 +70,11 @@ class GoldenCreate(BaseModel):
     label: Annotated[str | None, StorableText] = Field(None, max_length=200)
 
 
-def _public(job: Job, runs_errored: int = 0) -> JobPublic:
+def _public(job: Job, runs_errored: int = 0, shown: Shown = lambda text: text) -> JobPublic:
     return JobPublic(id=job.id, trigger=job.trigger, status=job.status, priority=job.priority,
                      matrix=job.spec.get("matrix_name", ""), created_at=job.created_at,
-                     started_at=job.started_at, finished_at=job.finished_at, error=job.error,
-                     runs_errored=runs_errored)
+                     started_at=job.started_at, finished_at=job.finished_at,
+                     error=shown(job.error), runs_errored=runs_errored)
 
 
 @router.post("/jobs", status_code=201, response_model=JobPublic, tags=["jobs"])
@@ -80,23 +89,25 @@ def create_job(body: JobCreate, services: ServicesDep, user: WriteUserDep) -> Jo
 
 
 @router.get("/jobs", response_model=list[JobPublic], tags=["jobs"])
-def read_jobs(session: SessionDep,
+def read_jobs(session: SessionDep, shown: ShownDep,
               status: Annotated[str | None, Query(max_length=20)] = None,
               trigger: Annotated[str | None, Query(max_length=20)] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobPublic]:
     """Jobs, newest first, filtered by status and trigger."""
     jobs = queries.find_jobs(session, status=status, trigger=trigger, limit=limit)
     errored = queries.errored_runs(session, [j.id for j in jobs])
-    return [_public(j, errored.get(j.id, 0)) for j in jobs]
+    return [_public(j, errored.get(j.id, 0), shown) for j in jobs]
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail, tags=["jobs"])
-def read_job(job_id: JobId, session: SessionDep) -> JobDetail:
-    """A job with the progress of each of its runs (and the comparison of its two builds)."""
+def read_job(job_id: JobId, session: SessionDep, shown: ShownDep) -> JobDetail:
+    """A job with the progress of each of its runs (and the comparison of its two builds). Server
+    paths in its errors are redacted for readers without the write role."""
     job = queries.job_detail(session, job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {job_id}")
-    runs = job.pop("runs")
+    job_as_seen(job, shown)
+    runs = [run_as_seen(r, shown) for r in job.pop("runs")]
     builds = list(dict.fromkeys(r["build_id"] for r in runs))
     comparison = None
     if len(builds) == 2 and job["status"] == "done":
@@ -133,6 +144,7 @@ def read_commits(session: SessionDep, branch: Annotated[str | None, Query(max_le
 
 @router.get("/commits/{ref:path}/results", tags=["results"])
 def read_commit_results(ref: Annotated[str, Path(max_length=300)], session: SessionDep,
+                        shown: ShownDep,
                         patch_set: Annotated[str, Query(max_length=500)] = "") -> dict[str, Any]:
     """A commit's (build's) runs with their verdicts and scenario metrics."""
     build = queries.find_build(session, ref, patch_set)
@@ -141,16 +153,16 @@ def read_commit_results(ref: Annotated[str, Path(max_length=300)], session: Sess
                                                     f"{patch_set!r}")
     runs = queries.build_run_ids(session, build.id)
     return {"commit": ref, "patch_set": patch_set,
-            "runs": [queries.run_detail(session, rid) for rid in runs]}
+            "runs": [run_as_seen(queries.run_detail(session, rid), shown) for rid in runs]}
 
 
 @router.get("/runs/{run_id}", tags=["results"])
-def read_run(run_id: RunId, session: SessionDep) -> dict[str, Any]:
+def read_run(run_id: RunId, session: SessionDep, shown: ShownDep) -> dict[str, Any]:
     """One run: arguments asked for and resolved, reference, command, scenarios and metrics."""
     detail = queries.run_detail(session, run_id)
     if detail is None:
         raise HTTPException(status_code=404, detail=f"no run {run_id}")
-    return detail
+    return run_as_seen(detail, shown)
 
 
 @router.get("/history", tags=["results"])

@@ -22,6 +22,7 @@ from evalsvc.bisect import BisectCreate
 from evalsvc.dashboard.views import job_form, page, problem, regression_page
 from evalsvc.jobs import JobCreate, JobError
 from evalsvc.store.audit import Actor
+from evalsvc.store.sessions import revoke
 from evalsvc.validation import describe_errors
 from evalsvc.verdicts import triage_regression
 from evalsvc.web.auth import Accounts, User, csrf_matches
@@ -126,8 +127,16 @@ def create_session(request: Request, token: Annotated[str, Form(max_length=500)]
 
 @sign_in_router.post("/logout")
 def delete_session(request: Request, csrf_token: CsrfField = None) -> RedirectResponse:
-    """Sign out: the session ends (its cookie is cleared)."""
+    """Sign out: the session ends, on the server too: its cookie is cleared, and its id is
+    recorded until the cookie would have expired, so a copy of the cookie names nobody."""
     check_csrf(request, csrf_token)
+    user = current_user(request)
+    if user is not None and user.how == "session" and user.session_id is not None:
+        services = request.app.state.services
+        max_age = services.settings.session_max_age_s
+        services.store.write(lambda s: revoke(s, user.session_id, user.name, max_age),
+                             f"the end of a session of {user.name}")
+        log.info("%s signed out", user.name)
     request.session.clear()
     return RedirectResponse(request.url_for("read_login_page").path, status_code=303)
 

@@ -37,8 +37,9 @@ from evalsvc.thresholds import load_thresholds
 from evalsvc.types import FINISHED_JOB_STATUSES
 from evalsvc.verdicts import compare_builds, run_limits
 from evalsvc.web.auth import csrf_token
-from evalsvc.web.deps import SessionDep, current_user, require_read
+from evalsvc.web.deps import SessionDep, ShownDep, current_user, require_read
 from evalsvc.web.params import JobId, RegressionId, RunId
+from evalsvc.web.redact import job_as_seen, run_as_seen
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
@@ -237,12 +238,13 @@ def read_commits_page(request: Request, session: SessionDep, branch: Text = None
 
 
 @router.get("/jobs")
-def read_jobs_page(request: Request, session: SessionDep,
+def read_jobs_page(request: Request, session: SessionDep, shown: ShownDep,
                    status: Annotated[str | None, Query(max_length=20)] = None) -> HTMLResponse:
     """Jobs, newest first; running ones follow their progress live."""
     status = _blank(status)
     return page(request, "jobs.html", title="Jobs", status=status, finished=FINISHED,
-                jobs=queries.job_summaries(session, status=status, limit=PAGE_SIZE))
+                jobs=[job_as_seen(j, shown)
+                      for j in queries.job_summaries(session, status=status, limit=PAGE_SIZE)])
 
 
 # ---- posting a job (the form; it posts to actions.create_job_form) --------------------------
@@ -471,11 +473,14 @@ def build_label(build: dict[str, Any]) -> str:
 
 
 @router.get("/jobs/{job_id}")
-def read_job_page(job_id: JobId, request: Request, session: SessionDep) -> HTMLResponse:
-    """A job: its matrix table, builds with their manifests, and each run's arguments and log."""
+def read_job_page(job_id: JobId, request: Request, session: SessionDep,
+                  shown: ShownDep) -> HTMLResponse:
+    """A job: its matrix table, builds with their manifests, and each run's arguments and log.
+    Server paths in its errors are redacted for readers without the write role."""
     job = queries.job_detail(session, job_id)
     if job is None:
         return problem(request, 404, f"no job {job_id}")
+    job_as_seen(job, shown)
     builds = queries.job_builds(session, job_id)
     for b in builds:
         b["label"] = build_label(b)
@@ -485,6 +490,7 @@ def read_job_page(job_id: JobId, request: Request, session: SessionDep) -> HTMLR
         r["args"] = args_table(r["requested_args"], r["resolved_args"])
         r["log"] = log_tail(r["log_path"])
         r["samples"] = samples[r["id"]]
+        run_as_seen(r, shown)
     progress: dict[str, int] = {}
     for r in runs:
         progress[r["status"]] = progress.get(r["status"], 0) + 1
@@ -705,7 +711,7 @@ def read_bisection_page(bisect_id: JobId, request: Request, session: SessionDep)
 # ---- a sample's tokens ---------------------------------------------------------------------
 
 @router.get("/runs/{run_id}/samples/{sample_id}")
-def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
+def read_sample_page(run_id: RunId, request: Request, session: SessionDep, shown: ShownDep,
                      sample_id: Annotated[str, PathParam(max_length=100)],
                      scenario: Annotated[str | None, Query(max_length=40)] = None,
                      position: Annotated[int | None, Query(ge=0, le=1_000_000)] = None
@@ -728,7 +734,8 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep,
     row = read_sample(path, sample.scenario, sample_id) if path and Path(path).is_file() else None
     if row is None:
         return problem(request, 404, f"run {run_id}: the token-level record of sample "
-                                     f"{sample_id!r} is not here ({path or 'no samples file'})")
+                                     f"{sample_id!r} is not here "
+                                     f"({shown(path) or 'no samples file'})")
     model_path = (run["requested_args"] or {}).get("model_path")
     try:
         tokens = sample_tokens(row, model_path)

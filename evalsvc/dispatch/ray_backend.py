@@ -75,6 +75,7 @@ from evalsvc.builds.engine_envs import engine_envs
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.dispatch.errors import DispatchError
 from evalsvc.harness import RunControl
+from evalsvc.paths import keep_earlier
 from evalsvc.settings import Settings
 from evalsvc.types import RunResult
 
@@ -569,7 +570,9 @@ class RayDispatcher:
         log_dir = Path(task.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         for name, data in logs.items():
-            (log_dir / Path(name).name).write_bytes(data)
+            target = log_dir / Path(name).name
+            keep_earlier(target)  # a run done again: the earlier attempt's log stays
+            target.write_bytes(data)
         if result.log_path:
             result.log_path = str(log_dir / Path(result.log_path).name)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from evalsvc.children import is_secret_env, parent_death_signal
+from evalsvc.paths import keep_earlier
 from evalsvc.tls import tls_context
 
 SCRUBBED_ENV_PREFIXES = ("SGLANG_SIMULATE_ACC",)
@@ -104,6 +105,7 @@ class EngineProcess:
     def start(self) -> None:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            keep_earlier(self.log_path)  # a run done again: the earlier attempt's log stays
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
             out = self._log
         else:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from sqlalchemy import select, update
+from sqlalchemy import case, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from evalsvc.matrix import Config
@@ -106,11 +106,15 @@ def cancel_pending(session, job_id: str) -> None:
                     .values(status="cancelled", finished_at=utcnow()))
 
 
-def end_job(session, job_id: str, status: str, error: str | None) -> tuple[str, str | None]:
+def end_job(session, job_id: str, status: str, error: str | None
+            ) -> tuple[str | None, str | None]:
     """Write the end of a running job: its pending runs are cancelled, and a run still marked
-    running (its end could not be written) is an error. A job ``done`` whose every run ended
-    ``error`` is ``failed`` instead, its error naming them (``all_errored``). Returns the status
-    and error written."""
+    running (its end could not be written) is an error. A job whose cancel was asked
+    (``cancel_requested_at``, which a cancel writes only while the job runs) ends cancelled
+    whatever ``status`` says: the store decides, so a cancel answered ``cancelling`` and the
+    runner's end cannot disagree. A job ``done`` whose every run ended ``error`` is ``failed``
+    instead, its error naming them (``all_errored``). Returns the status and error written
+    (None, None if the job was not running)."""
     cancel_pending(session, job_id)
     session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
                     .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
@@ -119,9 +123,14 @@ def end_job(session, job_id: str, status: str, error: str | None) -> tuple[str, 
         every = all_errored(session, job_id)
         if every is not None:
             status, error = "failed", every
-    session.execute(update(Job).where(Job.id == job_id, Job.status == "running")
-                    .values(status=status, error=error, finished_at=utcnow()))
-    return status, error
+    asked = Job.cancel_requested_at.is_not(None)
+    ended = session.execute(
+        update(Job).where(Job.id == job_id, Job.status == "running")
+        .values(status=case((asked, "cancelled"), else_=status),
+                error=case((asked, None), else_=error), finished_at=utcnow())).rowcount
+    if not ended:
+        return None, None
+    return tuple(session.execute(select(Job.status, Job.error).where(Job.id == job_id)).one())
 
 
 SHOWN_ERRORS = 3  # runs an all-errored job's error names
@@ -192,7 +201,7 @@ class JobRecord:
         error = "; ".join(self.failures) or None
         written, _ = self.store.write(lambda s: end_job(s, self.job_id, status, error),
                                       f"job {self.job_id}: its end")
-        return written
+        return written or status
 
 
 def describe(exc: BaseException) -> str:

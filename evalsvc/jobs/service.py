@@ -61,8 +61,10 @@ class JobService:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._cancelled: set[str] = set()
-        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()  # running jobs whose cancel the store holds
+        self._asking: dict[str, int] = {}  # cancels of a job writing the store now (how many)
+        self._lock = threading.Lock()  # guards both; never held while the store is used
+        self._asked = threading.Condition(self._lock)  # notified when a cancel's write ended
         self._store_lock: StoreLock | None = None
         self._failing: str | None = None  # the error the runner is waiting out, if any
         self._ended = threading.Condition()  # notified when this service wrote a job's end
@@ -100,11 +102,19 @@ class JobService:
         A queued job is ``cancelled`` at once and never starts; a running one answers
         ``cancelling`` and ends ``cancelled``: the runner stops it at its next phase, its
         engines are stopped and its pending runs are cancelled. Each is one conditional update,
-        so a cancel and the runner taking the job up cannot both win. ``actor``: the person
-        cancelling it (an audit event, in the transaction of the update; none when the job had
-        ended already and nothing changed)."""
+        so a cancel and the runner taking the job up cannot both win; and the store has the last
+        word on a running job's end (``end_job``: a job whose cancel it holds ends cancelled).
+        The runner is told first, in memory, and looks at that inside its own transactions too
+        (planning a job's runs): a cancel never waits for a transaction that waits for it (no
+        lock is held while the store is written), and the runner writes the end of a job it
+        stopped so only once the cancel's own write is in. ``actor``: the person cancelling it (an
+        audit event, in the transaction of the update; none when the job had ended already and
+        nothing changed)."""
         now = utcnow()
-        with self._lock:  # the runner finishes a job under this lock (_finish)
+        with self._lock:  # the runner stops at its next look, inside a transaction too
+            self._asking[job_id] = self._asking.get(job_id, 0) + 1
+        running = 0
+        try:
             with self.store.session() as s:
                 queued = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
                                    .values(status="cancelled", finished_at=now)).rowcount
@@ -119,15 +129,24 @@ class JobService:
                                           Job.trigger != "cli")  # evalsvc run records it
                         .values(cancel_requested_at=now)).rowcount
                     if not running:
-                        return s.scalar(select(Job.status).where(Job.id == job_id))
-                    if actor is not None:
+                        status = s.scalar(select(Job.status).where(Job.id == job_id))
+                    elif actor is not None:
                         audit.record(s, actor, "cancel", "job", job_id,
                                      details={"status": "cancelling"})
-            if queued:  # its end committed
-                self._ended_one()
-                log.info("job %s cancelled before it started", job_id)
-                return "cancelled"
-            self._cancelled.add(job_id)
+        finally:  # an error: the job goes on, unless its runner stopped it meanwhile
+            with self._lock:
+                if running:
+                    self._cancelled.add(job_id)
+                self._asking[job_id] -= 1
+                if not self._asking[job_id]:
+                    del self._asking[job_id]
+                self._asked.notify_all()
+        if queued:  # its end committed
+            self._ended_one()
+            log.info("job %s cancelled before it started", job_id)
+            return "cancelled"
+        if not running:
+            return status
         if self.dispatcher is not None:
             self.dispatcher.cancel_job(job_id)
         log.info("job %s cancelling", job_id)
@@ -296,26 +315,28 @@ class JobService:
 
     def _finish(self, job_id: str, status: str, error: str | None) -> None:
         """Write the job's end, trying again while the store refuses (until the service stops).
-        A job whose cancel was answered ``cancelling`` ends cancelled, one whose every run errored
-        failed (``end_job``). Its runs not started are cancelled; one still marked running ended
-        unrecorded (the store refused it): an error."""
+        A job whose cancel was answered ``cancelling`` ends cancelled (the store decides, in the
+        update that ends it: ``end_job``), one whose every run errored failed. Its runs not started
+        are cancelled; one still marked running ended unrecorded (the store refused it): an
+        error."""
         counted = False
         pause = 1.0
+        with self._lock:  # a cancel writing the store now goes first: it answers cancelling
+            self._asked.wait_for(lambda: job_id not in self._asking, timeout=60)
         while True:
+            if self._is_cancelled(job_id):
+                status, error = "cancelled", None
             try:
-                with self._lock:  # a cancel sees the job running and flags it, or sees it ended
-                    if job_id in self._cancelled:
-                        status, error = "cancelled", None
-                    self._failing = None  # set again below if this write fails too
-                    with self.store.session() as s:
-                        # done: failed instead when every run errored
-                        written, _ = end_job(s, job_id, status, error)
-                        if not counted:  # before the commit: who sees it finished sees it counted
-                            self._count(written)
-                            counted = True
+                self._failing = None  # set again below if this write fails too
+                with self.store.session() as s:
+                    ended, _ = end_job(s, job_id, status, error)
+                    if not counted:  # before the commit: who sees the job finished sees it counted
+                        self._count(ended or status)
+                        counted = True
+                with self._lock:
                     self._cancelled.discard(job_id)
                 self._ended_one()
-                log.info("job %s %s", job_id, written)
+                log.info("job %s %s", job_id, ended or status)
                 return
             except Exception as exc:
                 self._failing = f"writing the end of job {job_id}: {describe(exc)}"
@@ -453,8 +474,10 @@ class JobService:
         return deliver(self.store, self.settings.alert_webhook)
 
     def _is_cancelled(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._cancelled
+        """Whether the job's cancel was asked of this service (answered, or being written): read
+        from memory, never from the store, so the runner may look inside its own transactions."""
+        with self._lock:  # held for these sets alone, never across the store
+            return job_id in self._cancelled or job_id in self._asking
 
     def _count(self, status: str) -> None:
         self.counters.outcomes[status] = self.counters.outcomes.get(status, 0) + 1

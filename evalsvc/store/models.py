@@ -318,3 +318,15 @@ class AuditEvent(Base):
     target_id: Mapped[str] = mapped_column(String(64))
     comment: Mapped[str | None] = mapped_column(Text)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class RevokedSession(Base):
+    """A dashboard session ended by signing out: its cookie (signed, and valid for
+    ``EVALSVC_SESSION_MAX_AGE_S`` from its last use) names nobody any more. Kept until no copy
+    of the cookie can be valid (``expires_at``), then dropped."""
+
+    __tablename__ = "revoked_sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the session's random id
+    user_name: Mapped[str] = mapped_column(String(200))
+    revoked_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)

@@ -7,11 +7,13 @@ with every account's, in constant time and without an early exit, so neither the
 the order says which one matched. Tokens are meant to be random (``secrets.token_hex(32)``): a
 plain SHA-256 then stores them safely; it is no password hash.
 
-A signed-in browser's session (Starlette's signed cookie) holds the user's name and a key derived
-from the session secret and the account's digest: when a user's token changes or the user is
-removed, their sessions end. With ``EVALSVC_TRUSTED_USER_HEADER`` set, a request carrying that
-header is the user it names (the role of that name in ``EVALSVC_USERS``, else
-``EVALSVC_TRUSTED_USER_ROLE``).
+A signed-in browser's session (Starlette's signed cookie) holds the user's name, a key derived
+from the session secret and the account's digest, and a random session id: when a user's token
+changes or the user is removed, their sessions end; signing out ends that one session, copies of
+its cookie included (its id is recorded in the store until the cookie would expire:
+``evalsvc.store.sessions``; the guard looks it up). With ``EVALSVC_TRUSTED_USER_HEADER`` set, a
+request carrying that header is the user it names (the role of that name in ``EVALSVC_USERS``,
+else ``EVALSVC_TRUSTED_USER_ROLE``).
 
 Plain code, no web framework: the middleware and the routes' dependencies share it.
 """
@@ -28,7 +30,7 @@ from evalsvc.settings import Settings
 
 READ, WRITE = "read", "write"
 API_TOKEN_USER, READ_TOKEN_USER, OPEN_USER_NAME = "api-token", "read-token", "anonymous"
-SESSION_USER, SESSION_KEY, SESSION_CSRF = "user", "key", "csrf"
+SESSION_USER, SESSION_KEY, SESSION_CSRF, SESSION_ID = "user", "key", "csrf", "sid"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class User:
     name: str
     role: str
     how: str
+    session_id: str | None = None  # signed in on the dashboard: the session's id
 
     @property
     def can_write(self) -> bool:
@@ -113,6 +116,8 @@ class Accounts:
         account = next((a for a in self.accounts if a.name == session[SESSION_USER]), None)
         if account is None or not isinstance(key, str):
             return None
+        if not isinstance(session.get(SESSION_ID), str):  # made before sessions had ids
+            return None
         return account if hmac.compare_digest(key.encode(), self.session_key(account).encode()) \
             else None
 
@@ -138,7 +143,7 @@ class Accounts:
             return User(account.name, account.role, "token") if account else None
         account = self.by_session(session)
         if account is not None:
-            return User(account.name, account.role, "session")
+            return User(account.name, account.role, "session", session[SESSION_ID])
         return self.by_header(headers)
 
     # ---- signing in and out --------------------------------------------------------------------
@@ -149,6 +154,7 @@ class Accounts:
         session[SESSION_USER] = account.name
         session[SESSION_KEY] = self.session_key(account)
         session[SESSION_CSRF] = secrets.token_urlsafe(32)
+        session[SESSION_ID] = secrets.token_urlsafe(24)
 
 
 def csrf_token(session: dict[str, Any]) -> str:

@@ -23,8 +23,10 @@ from evalsvc.store import shown_url
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
+from evalsvc.store.sessions import revoked
 from evalsvc.web.auth import OPEN_USER, Accounts, User
 from evalsvc.web.middleware import USER_SCOPE_KEY, WRITES_OFF
+from evalsvc.web.redact import Shown, for_reader
 
 log = logging.getLogger("evalsvc.api")
 
@@ -129,6 +131,16 @@ def get_session(services: Annotated[Services, Depends(get_services)]) -> Iterato
         yield s
 
 
+def session_ended(app, session_id: str | None) -> bool:
+    """Whether a dashboard session was ended by signing out (``evalsvc.store.sessions``); with
+    no store open yet, no session can be checked: ended."""
+    services: Services | None = getattr(app.state, "services", None)
+    if services is None or session_id is None:
+        return True
+    with services.store.session() as s:
+        return revoked(s, session_id)
+
+
 def current_user(request: Request) -> User | None:
     """Who the request is (the guard found it: ``HttpGuard``); None: nobody."""
     if USER_SCOPE_KEY not in request.scope:  # an app without the guard: ask again
@@ -138,6 +150,10 @@ def current_user(request: Request) -> User | None:
         headers = {k.lower(): v for k, v in request.scope.get("headers", [])}
         try:
             user = accounts.identify(bearer, request.scope.get("session"), headers)
+            if (user is not None and user.how == "session"
+                    and session_ended(request.app, user.session_id)):
+                request.scope["session"].clear()
+                user = accounts.identify(b"", None, headers)
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
         request.scope[USER_SCOPE_KEY] = user if user or accounts.guarded else OPEN_USER
@@ -173,6 +189,11 @@ def require_read(request: Request, _creds: BearerDep) -> User | None:
     return user
 
 
+def get_shown(request: Request) -> Shown:
+    """How the request's user sees server paths in errors and reasons (``web.redact``)."""
+    return for_reader(current_user(request), request.app.state.settings.data_dir)
+
+
 def actor(user: User, via: str) -> Actor:
     return Actor(user.name, via)
 
@@ -180,3 +201,4 @@ def actor(user: User, via: str) -> Actor:
 ServicesDep = Annotated[Services, Depends(get_services)]
 SessionDep = Annotated[Session, Depends(get_session)]
 WriteUserDep = Annotated[User, Depends(require_write)]
+ShownDep = Annotated[Shown, Depends(get_shown)]

@@ -10,8 +10,9 @@ before any route runs, so nothing reads a body it would refuse:
   token alone; with a read token, any user or a trusted header, every read but ``/healthz``, the
   sign-in page and the dashboard's assets (``/static/``, ``/vendor/``: they hold no results) needs
   someone: a bearer token, a session or the header. A browser asking for a page (``Accept:
-  text/html``) is sent to ``/login`` instead of getting the 401. The routes' dependencies check the
-  same again.
+  text/html``) is sent to ``/login`` instead of getting the 401. A session ended by signing out (a
+  copy of its cookie) is nobody: its id is looked up in the store (``session_ended``, in a worker
+  thread), and its cookie is cleared. The routes' dependencies check the same again.
 * Parameters. A query parameter or a path holding what SQLite or PostgreSQL cannot store as text
   (NUL, a lone surrogate) is refused with 422 naming it.
 * Body size. A body over ``EVALSVC_MAX_BODY_BYTES`` is refused with 413: at once when its
@@ -21,8 +22,11 @@ before any route runs, so nothing reads a body it would refuse:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from urllib.parse import parse_qsl, quote
 
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -56,17 +60,22 @@ class BodyTooLarge(Exception):
 
 
 class HttpGuard:
-    def __init__(self, app: ASGIApp, settings: Settings, accounts: Accounts) -> None:
+    """``session_ended(session_id)``: whether a signed-in session was ended by signing out (None:
+    no session is ever looked up)."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, accounts: Accounts,
+                 session_ended: Callable[[str], bool] | None = None) -> None:
         self.app = app
         self.settings = settings
         self.accounts = accounts
+        self.session_ended = session_ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = _headers(scope)
-        refusal = self._auth(scope, headers) or _parameters(scope)
+        refusal = await self._auth(scope, headers) or _parameters(scope)
         limit = self.settings.max_body_bytes
         length = headers.get(b"content-length")
         if refusal is None and length is not None:
@@ -80,16 +89,24 @@ class HttpGuard:
             return
         await self._limited(scope, receive, send, limit)
 
-    def _auth(self, scope: Scope, headers: dict[bytes, bytes]) -> Response | None:
+    async def _auth(self, scope: Scope, headers: dict[bytes, bytes]) -> Response | None:
         accounts = self.accounts
+        path = scope["path"]
         try:
             user = accounts.identify(_bearer(headers), scope.get("session"), headers)
+            if (user is not None and user.how == "session" and self.session_ended is not None
+                    and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES)
+                    and await run_in_threadpool(self.session_ended, user.session_id)):
+                scope["session"].clear()  # signed out: a copy of its cookie names nobody
+                user = accounts.identify(b"", None, headers)
         except ValueError as exc:  # the trusted header holds no usable name
             return JSONResponse({"detail": str(exc)}, status_code=400)
+        except SQLAlchemyError as exc:
+            return JSONResponse({"detail": "the store cannot be used now (to look up a "
+                                           f"session): {type(exc).__name__}"}, status_code=503)
         if user is None and not accounts.guarded:
             user = OPEN_USER  # no accounts at all: the service binds loopback only
         scope[USER_SCOPE_KEY] = user
-        path = scope["path"]
         api = path.startswith(API_PREFIXES)
         if scope["method"] not in READ_METHODS:
             if not accounts.guarded or (path in SIGN_IN_PATHS and not api):

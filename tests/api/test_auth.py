@@ -191,3 +191,53 @@ def test_a_content_length_over_the_limit_is_refused_before_the_route(tmp_path):
         resp = c.post("/api/v1/jobs", content=b"{}", headers={**WRITE, "content-length": "2x"})
         assert resp.status_code == 400 and "Content-Length" in resp.json()["detail"]
         assert c.get("/api/v1/jobs").json() == []
+
+
+def test_server_paths_in_errors_are_redacted_for_readers_without_the_write_role(tmp_path):
+    """A job's error and its run's reason, log and samples files name server paths: a reader
+    without the write role sees those under the data directory relative to it, and any other by
+    its last part; the write token sees them as stored, on the API and on the job's page."""
+    data = (tmp_path / "data").resolve()
+    samples = data / "results" / "cli-x" / "1.parquet"
+    error = (f"run 1: its samples could not be written to {samples}: OSError: [Errno 28] No "
+             f"space left on device; engine: /opt/secret-env/bin/python exited 1")
+    with make_client(tmp_path, api_token="write-secret", read_token="read-secret") as c:
+        store = c.app.state.services.store
+        [run_id] = record(store, data / "results", "cli-x", build_ref("aaa111"),
+                          [run_result("m-eb", {"cold": [1e-4] * 4})])
+        with store.session() as s:
+            run = s.get(Run, run_id)
+            run.reason, run.log_path = error, str(data / "logs" / "cli-x" / "m-eb.log")
+            run.job.error = error
+        seen = ("run 1: its samples could not be written to <data>/results/cli-x/1.parquet: "
+                "OSError: [Errno 28] No space left on device; engine: .../python exited 1")
+
+        for headers, want in ((READ, seen), (WRITE, error)):
+            [job] = c.get("/api/v1/jobs", headers=headers).json()
+            assert job["error"] == want
+            detail = c.get("/api/v1/jobs/cli-x", headers=headers).json()
+            assert detail["error"] == want and detail["runs"][0]["reason"] == want
+            run = c.get(f"/api/v1/runs/{run_id}", headers=headers).json()
+            assert run["reason"] == want
+            results = c.get("/api/v1/commits/sgl-project/sglang@aaa111/results",
+                            headers=headers).json()
+            assert results["runs"][0]["reason"] == want
+        run = c.get(f"/api/v1/runs/{run_id}", headers=READ).json()
+        assert run["log_path"] == "<data>/logs/cli-x/m-eb.log"
+        assert run["samples_path"].startswith("<data>/results/cli-x/")
+
+        page = c.get("/jobs/cli-x", headers=READ).text
+        assert "/opt/secret-env" not in page and str(data) not in page
+        assert "&lt;data&gt;/results/cli-x/1.parquet" in page
+        assert "/opt/secret-env/bin/python" in c.get("/jobs/cli-x", headers=WRITE).text
+        assert str(data) not in c.get("/jobs", headers=READ).text
+
+
+def test_redaction_leaves_urls_fractions_and_rates_alone():
+    from evalsvc.web.redact import redact_paths
+
+    text = ("POST http://127.0.0.1:30000/generate: 500 after 3.5 tokens/s, 1/2 of the prompts; "
+            "see /srv/evalsvc/data/logs/j/m.log. Model '/home/alice/models/m' (/srv/evalsvc/data)")
+    assert redact_paths(text, "/srv/evalsvc/data") == (
+        "POST http://127.0.0.1:30000/generate: 500 after 3.5 tokens/s, 1/2 of the prompts; "
+        "see <data>/logs/j/m.log. Model '.../m' (<data>)")

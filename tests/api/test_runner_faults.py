@@ -187,6 +187,72 @@ def test_a_job_answered_cancelled_never_starts(runner, fake_engine):
     assert not fake_engine.exists(), "an engine started for a cancelled job"
 
 
+# a matrix of 256 configs (the most one job may run): its runs are planned in one transaction
+PLANNED = {**MATRIX, "include": [], "axes": {"chunked_prefill": list(range(64, 64 + 256))}}
+
+
+def cancel_in_thread(jobs: JobService, job_id: str) -> tuple[threading.Thread, dict]:
+    """``jobs.cancel(job_id)`` in a thread of its own: its answer (or error) and when it came."""
+    out: dict = {}
+
+    def cancel() -> None:
+        try:
+            out["status"] = jobs.cancel(job_id)
+        except Exception as exc:  # noqa: BLE001 - the test names it
+            out["error"] = exc
+        out["at"] = time.monotonic()
+
+    thread = threading.Thread(target=cancel, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_cancel_while_the_runs_are_planned_answers_at_once(runner, fake_engine, monkeypatch,
+                                                             db_url):
+    """A cancel that comes while the runner is inside the transaction planning the job's runs (a
+    run written: SQLite's write lock held) is answered within a second of the runner going on,
+    the planning stops, and the job ends cancelled with no run executed. Unfixed on SQLite, the
+    cancel held the service's lock while it waited for the store, and the runner waited for that
+    lock inside its transaction: the cancel failed after 30 s and the job ran."""
+    phases = Phases(monkeypatch, "plan_run", 2)
+    jobs = runner(db_url)
+    job_id = jobs.submit(JobCreate(matrix=PLANNED))
+    assert phases.entered.wait(60), "the job never got to planning its runs"
+    thread, answer = cancel_in_thread(jobs, job_id)
+    time.sleep(0.5)  # the cancel is waiting for the store (SQLite) or answered (PostgreSQL)
+    released = time.monotonic()
+    phases.release()
+    thread.join(10)
+    assert not thread.is_alive(), "the cancel did not answer within 10 s"
+    assert "error" not in answer, answer
+    assert answer["status"] in ("cancelling", "cancelled"), answer
+    assert answer["at"] - released < 1.0, f"answered {answer['at'] - released:.2f} s later"
+    job = wait_job(jobs.store, job_id, timeout=60)
+    assert (job.status, job.error) == ("cancelled", None)
+    assert phases.after.count("plan_run") <= 1, "the planning went on after the cancel"
+    runs = runs_of(jobs.store, job_id)
+    assert all(r.status == "cancelled" for r in runs), [(r.id, r.status) for r in runs]
+    assert not fake_engine.exists(), "an engine started for a cancelled job"
+
+
+def test_a_cancel_right_after_submitting_a_large_job_answers_at_once(runner, fake_engine,
+                                                                     db_url):
+    """The race as a client meets it: a job of 256 configs submitted, then cancelled at once
+    (wherever its runner is: taking it up, tokenizing, planning). The cancel answers within a
+    second and the job ends cancelled without running anything."""
+    jobs = runner(db_url)
+    for _ in range(3):
+        job_id = jobs.submit(JobCreate(matrix=PLANNED))
+        time.sleep(0.05)  # the runner takes it up
+        asked = time.monotonic()
+        assert jobs.cancel(job_id) in ("cancelled", "cancelling")
+        assert time.monotonic() - asked < 1.0, f"answered {time.monotonic() - asked:.2f} s later"
+        job = wait_job(jobs.store, job_id, timeout=60)
+        assert (job.status, job.error) == ("cancelled", None)
+        assert all(r.status == "cancelled" for r in runs_of(jobs.store, job_id))
+    assert not fake_engine.exists(), "an engine started for a cancelled job"
+
+
 def test_a_cancel_asked_before_the_service_died_is_kept(runner, monkeypatch):
     """A job answered cancelling when its service died (its runner never got to act on it): the
     next service ends it cancelled instead of running it again."""

@@ -125,6 +125,7 @@ def test_killed_service_resumes_without_repeating_runs(service_factory, tmp_path
     finished = {r["id"]: service.client.get(f"/api/v1/runs/{r['id']}").json()
                 for r in before["runs"] if r["status"] == "done"}
     assert finished
+    [interrupted] = [r["id"] for r in before["runs"] if r["status"] == "running"]
 
     service.kill()
     orphans = [int(line.split(":")[0]) for line in engines]
@@ -139,6 +140,9 @@ def test_killed_service_resumes_without_repeating_runs(service_factory, tmp_path
     for run_id, detail in finished.items():  # not run again
         assert service.client.get(f"/api/v1/runs/{run_id}").json() == detail
     assert "resumes after a restart" in service.log(tail=None)  # among the requests since
+    # the run done again wrote its engine log where the interrupted attempt had: that one is kept
+    log_path = Path(service.client.get(f"/api/v1/runs/{interrupted}").json()["log_path"])
+    assert log_path.is_file() and log_path.with_name(f"{log_path.name}.attempt-1").is_file()
     try:
         with engine.connect() as conn:
             assert conn.scalar(select(func.count()).select_from(Run)) == len(configs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
@@ -17,6 +18,8 @@ from pydantic import ValidationError
 
 from evalsvc.app import SESSION_COOKIE, create_app
 from evalsvc.settings import Settings
+from evalsvc.store.db import Store
+from evalsvc.store.sessions import revoke, revoked
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"
 USERS = [{"name": "alice", "role": "write", "token": ALICE},
@@ -100,6 +103,51 @@ def test_signing_in_sets_a_signed_httponly_samesite_cookie_and_signing_out_ends_
         assert out.status_code == 303 and out.headers["location"] == "/login"
         assert "expires=thu, 01 jan 1970" in out.headers["set-cookie"].lower()
         assert c.get("/jobs", follow_redirects=False).status_code == 401
+
+
+def test_a_cookie_copied_before_signing_out_is_refused_after_it(tmp_path):
+    """Signing out ends the session on the server: a copy of its cookie taken before opens
+    nothing afterwards (a browser is sent to sign in, its copy cleared), in this service and
+    the next one on the same store; another session of the same user goes on."""
+    with make_client(tmp_path) as c, make_client(tmp_path) as other:
+        assert sign_in(c, ALICE).status_code == 303
+        copied = {"Cookie": f"{SESSION_COOKIE}={c.cookies[SESSION_COOKIE]}"}
+        assert sign_in(other, ALICE).status_code == 303  # alice in a second browser
+        page = c.get("/jobs")
+        assert signed_in_as(page.text) == ("alice", "write")
+        assert c.post("/logout", data={"csrf_token": csrf_of(page.text)},
+                      follow_redirects=False).status_code == 303
+        c.cookies.clear()
+        resp = c.get("/jobs", headers=copied, follow_redirects=False)
+        assert resp.status_code == 401
+        assert c.get("/api/v1/jobs", headers=copied).status_code == 401
+        resp = c.get("/jobs", headers={**copied, **HTML}, follow_redirects=False)
+        assert resp.status_code == 303 and resp.headers["location"].startswith("/login")
+        assert "expires=thu, 01 jan 1970" in resp.headers["set-cookie"].lower()
+        page = c.get("/login", headers=copied)  # the sign-in page names nobody either
+        assert page.status_code == 200 and signed_in_as(page.text) is None
+        assert signed_in_as(other.get("/jobs").text) == ("alice", "write")
+    with make_client(tmp_path) as c:  # the same store and secret: still refused
+        assert c.get("/jobs", headers=copied, follow_redirects=False).status_code == 401
+
+
+def test_revoked_sessions_are_kept_until_their_cookies_expire(db_url, engines):
+    """A session's record lasts the cookie's lifetime from its end; records past it are
+    dropped when the next session ends."""
+    store = Store(db_url)
+    engines.append(store.engine)
+    start = datetime(2026, 12, 1, tzinfo=UTC)
+    with store.session() as s:
+        revoke(s, "first", "alice", 3600, now=start)
+    with store.session() as s:
+        assert revoked(s, "first") and not revoked(s, "second")
+        revoke(s, "second", "bob", 3600, now=start + timedelta(minutes=59))
+        assert revoked(s, "first")
+    with store.session() as s:
+        revoke(s, "third", "bob", 3600, now=start + timedelta(minutes=61))
+    with store.session() as s:
+        assert [revoked(s, sid) for sid in ("first", "second", "third")] == [False, True, True]
+    store.close()
 
 
 def test_hashed_tokens_and_the_single_tokens_sign_in_with_their_roles(tmp_path):

@@ -184,3 +184,59 @@ def test_execute_ends_a_run_at_its_deadline(machine, tmp_path):
     assert result.reason == ("engine did not start: the run's deadline of 3 s (run_timeout_s) "
                              "passed: the engine did not start in time")
     assert_gone(pids)
+
+
+def test_a_run_done_again_keeps_the_earlier_attempts_log(machine, tmp_path):
+    """A run executed again (its service restarted meanwhile) writes its engine log where the
+    first attempt did: the first attempt's log is kept beside it as ``.attempt-1``, a third
+    attempt's predecessor as ``.attempt-2``."""
+    machine("worker")
+    matrix = MatrixFile.model_validate({
+        "name": "fake", "engine": "sglang", "models": {"m": {"path": "/models/m"}},
+        "include": [{"strategy": "extra_buffer", "overlap": True}], "scenarios": ["cold"]})
+    spec = EngineSpec(kind="sglang", python=FAKE_PYTHON, env={
+        "FAKE_SGLANG_MODE": "slow_start", "FAKE_SGLANG_START_SECONDS": "120"})
+    task = RunTask.make("job-1", 7, matrix, expand(matrix, hardware="gpu")[0], spec,
+                        [("p0", [1, 2, 3])], tmp_path / "logs", run_timeout_s=1)
+    log_path = None
+    for attempt in range(3):
+        result = execute(task)
+        assert result.verdict == "error"
+        log_path = Path(result.log_path)
+        assert log_path.is_file()
+        log_path.write_text(f"attempt {attempt}\n" + log_path.read_text())
+    assert sorted(p.name for p in log_path.parent.iterdir()) == [
+        log_path.name, f"{log_path.name}.attempt-1", f"{log_path.name}.attempt-2"]
+    assert log_path.read_text().startswith("attempt 2")
+    for n in (1, 2):
+        assert (log_path.parent / f"{log_path.name}.attempt-{n}").read_text().startswith(
+            f"attempt {n - 1}")
+
+
+def test_logs_brought_back_from_a_ray_worker_keep_the_earlier_attempts(tmp_path):
+    """The Ray dispatcher writes a run's log brought back from its worker where the service
+    keeps it: a log of an earlier attempt there is kept as ``.attempt-1``."""
+    from types import SimpleNamespace
+
+    from evalsvc.dispatch.ray_backend import RayDispatcher
+
+    task = SimpleNamespace(log_dir=str(tmp_path / "logs"))
+    for attempt in ("first", "second"):
+        result = SimpleNamespace(log_path="/worker/tmp/run-7/m-eb.log")
+        RayDispatcher._write_logs(None, task, result, {"/worker/tmp/run-7/m-eb.log":
+                                                       attempt.encode()})
+        assert result.log_path == str(tmp_path / "logs" / "m-eb.log")
+    assert (tmp_path / "logs" / "m-eb.log").read_text() == "second"
+    assert (tmp_path / "logs" / "m-eb.log.attempt-1").read_text() == "first"
+
+
+def test_keep_earlier_moves_a_file_aside_to_the_first_free_attempt(tmp_path):
+    from evalsvc.paths import keep_earlier
+
+    log = tmp_path / "run.log"
+    assert keep_earlier(log) is None
+    for text in ("one", "two"):
+        log.write_text(text)
+        assert keep_earlier(log) is not None and not log.exists()
+    assert (tmp_path / "run.log.attempt-1").read_text() == "one"
+    assert (tmp_path / "run.log.attempt-2").read_text() == "two"

@@ -31,15 +31,16 @@ def tables(url: str, engines: list) -> set[str]:
 
 def test_model_tables():
     assert sorted(MODEL_TABLES) == ["alerts", "audit_events", "bisections", "builds", "commits",
-                                    "golden_runs", "jobs", "metrics", "regressions", "runs",
-                                    "samples", "scenarios", "verdicts"]
+                                    "golden_runs", "jobs", "metrics", "regressions",
+                                    "revoked_sessions", "runs", "samples", "scenarios",
+                                    "verdicts"]
 
 
 def test_upgrade_to_head_and_downgrade_to_base(db_url, engines):
     assert current(db_url) is None
     assert tables(db_url, engines) == set()
     upgrade(db_url)
-    assert current(db_url) == head(db_url) == "0007"
+    assert current(db_url) == head(db_url) == "0008"
     assert tables(db_url, engines) == MODEL_TABLES
     upgrade(db_url)  # at head already: nothing to do
     assert current(db_url) == head(db_url)
@@ -192,3 +193,24 @@ def test_0007_gives_regressions_a_link_and_a_level_and_keeps_their_triage(db_url
         assert conn.execute(text("SELECT triage, comment FROM regressions")).all() == [
             ("expected", "known")]
     engine.dispose()
+
+
+def test_0008_adds_the_revoked_sessions_and_keeps_what_was_stored(db_url, engines):
+    """A store at 0007 with a job: 0008 adds an empty revoked_sessions table that takes a
+    session's end; down again, the table goes and the rest stays."""
+    upgrade(db_url, "0007")
+    engine = make_engine(db_url)
+    engines.append(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO jobs (id, trigger, status, priority, spec, created_at, "
+                          "attempts) VALUES ('old', 'api', 'done', 0, '{}', CURRENT_TIMESTAMP, 0)"))
+    upgrade(db_url)
+    assert "revoked_sessions" in tables(db_url, engines)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT count(*) FROM revoked_sessions")).scalar() == 0
+        conn.execute(text("INSERT INTO revoked_sessions (id, user_name, revoked_at, expires_at) "
+                          "VALUES ('s1', 'alice', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+    downgrade(db_url, "0007")
+    assert "revoked_sessions" not in tables(db_url, engines)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT id FROM jobs")).scalars().all() == ["old"]
