@@ -21,6 +21,7 @@ from evalsvc.paths import MODELS_DIR
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job, Run
+from tests import fake_envs
 from tests.api.conftest import FAKE_MATRIX
 
 FAKE_PYTHON = str(Path(__file__).parents[1] / "data" / "fake-python")
@@ -198,3 +199,47 @@ def test_the_runs_of_a_job_use_its_named_environment(tmp_path, monkeypatch):
     finally:
         store.close()
     assert commands and all(cmd[0] == str(other) for cmd in commands), commands
+
+
+def test_two_environments_of_two_releases_each_run_the_job_that_names_it(tmp_path, monkeypatch):
+    """One service, the sglang-cpu environment and one built for another release (both found
+    where their builders make them), a job naming each over REST: both run, each on its own."""
+    monkeypatch.setenv("FAKE_SGLANG_PYTHON", sys.executable)
+    pythons = fake_envs.build_envs(tmp_path / "envs", monkeypatch)
+    with make_client(tmp_path, start_runner=True) as c:
+        listed = {e["name"]: e for e in c.get("/api/v1/engine-envs").json()}
+        assert {n: (e["python"], e["sglang"], e["default"]) for n, e in listed.items()} == {
+            fake_envs.CPU_ENV: (str(pythons[fake_envs.CPU_ENV]), fake_envs.CPU_RELEASE, False),
+            fake_envs.OTHER_ENV: (str(pythons[fake_envs.OTHER_ENV]), fake_envs.OTHER_RELEASE,
+                                  False)}
+        job_ids = {}
+        for name in pythons:
+            resp = c.post("/api/v1/jobs", json={"matrix": FAKE_MATRIX, "engine_env": name,
+                                                "workload": {"num_prompts": 1}})
+            assert resp.status_code == 201, resp.text
+            job_ids[name] = resp.json()["id"]
+        deadline = time.monotonic() + 300
+        jobs = {}
+        for name, job_id in job_ids.items():
+            while (job := c.get(f"/api/v1/jobs/{job_id}").json())["status"] not in (
+                    "done", "failed", "cancelled"):
+                assert time.monotonic() < deadline, job
+                time.sleep(0.5)
+            jobs[name] = job
+    releases = {fake_envs.CPU_ENV: fake_envs.CPU_RELEASE, fake_envs.OTHER_ENV: fake_envs.OTHER_RELEASE}
+    for name, job in jobs.items():
+        assert job["status"] == "done", job
+        assert job["spec"]["engine_env"] == name
+        # each run's build: the release its engine reported, the one its environment holds
+        assert job["runs"] and {r["build"] for r in job["runs"]} == {
+            f"sgl-project/sglang=={releases[name]}"}, job["runs"]
+        # each environment's python started its own job's engines and no other's
+        assert fake_envs.calls(pythons[name]).count("sglang.launch_server") == len(job["runs"])
+    store = Store(f"sqlite:///{tmp_path / 'e.db'}")
+    try:
+        with store.session() as s:
+            for name, job_id in job_ids.items():
+                commands = [r.command for r in s.scalars(select(Run).where(Run.job_id == job_id))]
+                assert commands and all(cmd[0] == str(pythons[name]) for cmd in commands), commands
+    finally:
+        store.close()
