@@ -136,3 +136,4 @@ def test_the_form_posts_a_job_on_each_engine_environment(tab, served):
         assert fake_envs.calls(served.pythons[name]).count("sglang.launch_server") == 1
         page = tab.open(f"/jobs/{job_id}")
         assert page.locator("#job-facts .status .v-done").count() == 1
+        assert page.locator("#job-facts .engine-env").inner_text() == f"{name} / {MODEL}"
