@@ -56,6 +56,7 @@ from sqlalchemy import delete, func, select
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from evalsvc.children import exit_on_sigterm  # noqa: E402
 from evalsvc.engines.base import EngineSpec  # noqa: E402
 from evalsvc.evaluate import evaluate, prepare  # noqa: E402
 from evalsvc.harness import EnginePool  # noqa: E402
@@ -367,6 +368,7 @@ def main() -> None:
         p.add_argument("--store", type=Path, default=None, required=p is rj,
                        help="a SQLite file to keep the store in")
     args = parser.parse_args()
+    exit_on_sigterm()  # engines stopped on SIGTERM as on Ctrl-C
     RESULTS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="evalsvc-detection-") as tmp:
         work = Path(tmp)

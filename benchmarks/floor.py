@@ -31,6 +31,7 @@ from rich.progress import Progress
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from evalsvc.children import exit_on_sigterm  # noqa: E402
 from evalsvc.engines.base import EngineSpec  # noqa: E402
 from evalsvc.evaluate import evaluate, prepare  # noqa: E402
 from evalsvc.matrix import load_matrix  # noqa: E402
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="an SGLang matrix: the model for every config")
     parser.add_argument("--name", default=None, help="results file suffix (default: the matrix)")
     args = parser.parse_args()
+    exit_on_sigterm()  # engines stopped on SIGTERM as on Ctrl-C
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="evalsvc-floor-") as tmp:
         rows = collect(args.matrix, args.seeds, args.num_prompts, Path(tmp),

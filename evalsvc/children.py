@@ -37,6 +37,17 @@ def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not is_secret_env(k)}
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM ends this command as Ctrl-C does: a ``SystemExit`` (status 143) in the main thread,
+    so its ``finally`` blocks and context managers stop the engines it started, which run in
+    process groups of their own and would otherwise outlive it."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def parent_death_signal() -> Callable[[], None]:
     """A ``preexec_fn``: the child gets SIGKILL when the thread that forks it exits (the harness
     starts engines, and builds run their tools, from the thread that waits for them). libc is

@@ -114,6 +114,7 @@ def run(
     from rich.text import Text
 
     from evalsvc.builds.build import BuildError
+    from evalsvc.children import exit_on_sigterm
     from evalsvc.engines.base import EngineSpec
     from evalsvc.evaluate import dry_run_commands, evaluate, prepare, results_table
     from evalsvc.jobs import BuildSpec, UnknownConfigs, mint_id
@@ -122,6 +123,8 @@ def run(
     from evalsvc.settings import Settings
     from evalsvc.validation import describe_errors
     from evalsvc.workloads import WorkloadError
+
+    exit_on_sigterm()  # stopped by SIGTERM, it stops its engines first, as on Ctrl-C
 
     console = Console()  # a terminal's own width (the table fits 100 columns)
     if not console.is_terminal:  # a pipe or a file: at least 150 columns (COLUMNS: more)

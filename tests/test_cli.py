@@ -125,3 +125,35 @@ def test_evalsvc_run_refuses_a_release_that_is_no_version_number_before_any_buil
     assert ("error: --source: 'sglang==tree-ebeb8633e652': 'tree-ebeb8633e652' is not a version "
             "number") in res.stdout
     assert not (tmp_path / "o").exists() and not (tmp_path / "builds").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_and_its_engine(tmp_path):
+    """``evalsvc run`` stopped by SIGTERM (a scheduler's or a supervisor's stop) stops the engine
+    it started, which runs in a process group of its own, before it exits 143, as on Ctrl-C."""
+    import os
+    import signal
+    import time
+    import uuid
+
+    from tests.processes import marked_processes, wait_no_processes
+
+    mark, token = "EVALSVC_TEST_SIGTERM", uuid.uuid4().hex
+    env = {**os.environ, "EVALSVC_DATA_DIR": str(tmp_path / "data"), mark: token}
+    proc = subprocess.Popen([sys.executable, "-m", "evalsvc.cli", "run", "smoke", "--config",
+                             "mamba2-eb-ov-c64", "--no-store", "--out", str(tmp_path / "out")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marked_processes(mark, token):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "no engine started within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143, out[-3000:]
+        assert wait_no_processes(mark, token) == [], "the engine outlived its run"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
