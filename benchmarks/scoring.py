@@ -12,6 +12,7 @@ turn within each repeat, so that the machine's load falls on all of them alike:
 * ``floor``: what no scoring can skip: the lists read into numpy arrays, one k3 pass over the
   token pairs, and the reported percentiles of it (``floor_arrays``: the same from arrays already
   made, for reference);
+* ``kl``: the KL part of ``score`` alone (``token_kl_by_sample`` and ``summarize_pooled_kl``);
 * ``score``: ``evalsvc.harness.score``, everything it computes for the scenario (estimators,
   per-sample rows, summaries with their bootstrap intervals, divergences, the verdict);
 * ``straightforward``: the per-sample implementation ``score`` replaced (``straightforward_score``
@@ -339,6 +340,16 @@ def ratios(times: dict[str, dict[str, float]], a: str, b: str) -> dict[str, floa
     return {"min": min(per), "median": statistics.median(per)}
 
 
+def kl_and_summary(samples: list[Sample]) -> dict[str, float | int]:
+    """The KL part of ``score`` alone: every sample's token KL in one pass
+    (``token_kl_by_sample``) and the scenario's summary of it (``summarize_pooled_kl``)."""
+    kl = metrics.token_kl_by_sample([s.completion.logprobs for s in samples],
+                                    [s.reference for s in samples], DIVERGENCE_TOL)
+    nonempty = kl.lengths > 0
+    return metrics.summarize_pooled_kl(kl.k3, kl.k3_mean[nonempty], int((~nonempty).sum()),
+                                       seed=0)
+
+
 def run(n_samples: int, tokens: int, extend: int, repeats: int,
         straightforward: bool) -> dict[str, Any]:
     """The floor, ``score`` and (optionally) the straightforward path on one input, in turn."""
@@ -349,6 +360,7 @@ def run(n_samples: int, tokens: int, extend: int, repeats: int,
     ref = np.concatenate([np.asarray(s.reference) for s in samples]
                          + [np.asarray(s.extend_reference) for s in samples])
     sides = {"floor": lambda: floor(samples), "floor_arrays": lambda: floor_arrays(dec, ref),
+             "kl": lambda: kl_and_summary(samples),
              "score": lambda: score("prefill_hit", samples, config, matrix, {})}
     if straightforward:
         sides["straightforward"] = lambda: straightforward_score("prefill_hit", samples, config,
@@ -357,6 +369,7 @@ def run(n_samples: int, tokens: int, extend: int, repeats: int,
     out: dict[str, Any] = {
         "samples": n_samples, "tokens": tokens, "extend": extend, "token_pairs": int(dec.size),
         "repeats": repeats, "seconds": times,
+        "kl_over_floor": ratios(times, "kl", "floor"),
         "score_over_floor": ratios(times, "score", "floor"),
         "score_over_floor_arrays": ratios(times, "score", "floor_arrays")}
     if straightforward:
