@@ -16,6 +16,7 @@ tracked job of their own: a regression whose last good and first bad commits are
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import socket
@@ -113,6 +114,26 @@ def make_repo(repo: Path) -> tuple[str, str]:
     return shas[0], shas[1]
 
 
+@contextlib.contextmanager
+def served_in_a_thread(settings: Settings, name: str) -> Iterator[str]:
+    """The service of ``settings`` on a free loopback port, on a thread of this process (its
+    engines inherit this process's environment): its URL, until it has stopped again."""
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1",
+                                           port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(90)
+    assert not thread.is_alive(), "the server did not stop"
+
+
 @pytest.fixture(scope="session")
 def dashboard(tmp_path_factory) -> Iterator[Dashboard]:
     tmp = tmp_path_factory.mktemp("dashboard")
@@ -126,31 +147,16 @@ def dashboard(tmp_path_factory) -> Iterator[Dashboard]:
                         session_secret=uuid.uuid4().hex,
                         allowed_sources=["sglang==*", "pypi:*", f"git:{repo}@*",
                                          f"path:{tmp}/trees/*"])
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                           log_level="warning"))
     token = uuid.uuid4().hex
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(MARK, token)
-        thread = threading.Thread(target=server.run, name="dashboard-server", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=url, timeout=30,
-                          headers={"Authorization": f"Bearer {API_TOKEN}"}) as client:
+        with served_in_a_thread(settings, "dashboard-server") as url, \
+                httpx.Client(base_url=url, timeout=30,
+                             headers={"Authorization": f"Bearer {API_TOKEN}"}) as client:
             resp = client.post("/api/v1/jobs", json=JOB)
             assert resp.status_code == 201, resp.text
-            dash = Dashboard(url, database_url, client, repo, job_id=resp.json()["id"],
-                             job=resp.json())
-            try:
-                yield dash
-            finally:
-                server.should_exit = True
-                thread.join(90)
-    assert not thread.is_alive(), "the server did not stop"
+            yield Dashboard(url, database_url, client, repo, job_id=resp.json()["id"],
+                            job=resp.json())
     left = wait_no_processes(MARK, token, timeout=10)
     assert not left, f"engines left behind: {left}"
 

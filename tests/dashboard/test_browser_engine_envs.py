@@ -8,7 +8,6 @@ both jobs run, each on its own environment."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,12 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from evalsvc.app import create_app
 from evalsvc.settings import Settings
 from tests import fake_envs
-from tests.dashboard.conftest import FINISHED, Page, free_port, sign_in
+from tests.dashboard.conftest import FINISHED, Page, served_in_a_thread, sign_in
 from tests.processes import wait_no_processes
 
 # one worker under pytest-xdist (--dist loadgroup), with the other browser tests
@@ -58,23 +55,10 @@ def served(tmp_path_factory) -> Iterator[Served]:
         settings = Settings(data_dir=tmp / "data", database_url=f"sqlite:///{tmp / 'store.db'}",
                             nightly=False, engine_slots=1, session_secret=uuid.uuid4().hex,
                             users=[{"name": "carol", "role": "write", "token": WRITER}])
-        server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1",
-                                               port=free_port(), log_level="warning"))
-        thread = threading.Thread(target=server.run, name="engine-envs-server", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{server.config.port}"
-        try:
-            with httpx.Client(base_url=url, timeout=30,
-                              headers={"Authorization": f"Bearer {WRITER}"}) as client:
-                yield Served(url, client, pythons)
-        finally:
-            server.should_exit = True
-            thread.join(90)
-    assert not thread.is_alive(), "the server did not stop"
+        with served_in_a_thread(settings, "engine-envs-server") as url, \
+                httpx.Client(base_url=url, timeout=30,
+                             headers={"Authorization": f"Bearer {WRITER}"}) as client:
+            yield Served(url, client, pythons)
     left = wait_no_processes(MARK, token, timeout=10)
     assert not left, f"engines left behind: {left}"
 
