@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -56,13 +57,20 @@ def test_dry_run_prints_each_sglang_command_for_the_release():
     assert all(argv[argv.index("--tp-size") + 1] == "4" for argv in new_lines)
 
 
-def test_dry_run_spells_the_release_installed_in_the_engine_python(tmp_path):
-    site = tmp_path / "site" / "sglang-0.5.13.dist-info"
+def python_with_release(tmp_path: Path, version: str) -> Path:
+    """A python whose site holds SGLang ``version``'s metadata (and no SGLang): what the dry run
+    reads to spell that release's flags."""
+    site = tmp_path / "site" / f"sglang-{version}.dist-info"
     site.mkdir(parents=True)
-    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.13\n")
+    (site / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\nPYTHONPATH={site.parent} exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
+    return python
+
+
+def test_dry_run_spells_the_release_installed_in_the_engine_python(tmp_path):
+    python = python_with_release(tmp_path, "0.5.13")
     out = evalsvc("run", "mamba-full", "--dry-run", "--engine-python", str(python))
     assert out.returncode == 0, out.stderr
     lines = [without_env(json.loads(x)) for x in out.stdout.splitlines()]
@@ -75,12 +83,7 @@ def test_engine_env_names_the_sglang_environment_and_model_names_a_model(tmp_pat
     """``--engine-env NAME`` beside ``--engine-python``: the environment of that name
     (EVALSVC_ENGINE_ENVS), the release installed there spelled; ``--model NAME`` a shipped model's
     directory; an unknown name exits 2 listing the known ones."""
-    site = tmp_path / "site" / "sglang-0.5.13.dist-info"
-    site.mkdir(parents=True)
-    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.13\n")
-    python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={site.parent} exec {sys.executable} \"$@\"\n")
-    python.chmod(0o755)
+    python = python_with_release(tmp_path, "0.5.13")
     env = {**os.environ, "EVALSVC_ENGINE_ENVS": json.dumps({"old": str(python)}),
            "EVALSVC_DISCOVER_ENGINE_ENVS": "false", "EVALSVC_DATA_DIR": str(tmp_path / "data")}
 
