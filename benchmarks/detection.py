@@ -380,7 +380,7 @@ def main() -> None:
                                    [c for c in args.configs.split(",") if c] or None,
                                    matrix=args.matrix, same_seed=args.same_seed,
                                    engine_python=args.engine_python, model=args.model)
-                name = f"false-alarms-{args.matrix}"
+                name = f"false-alarms-{args.matrix}" + ("-same-seed" if args.same_seed else "")
             elif args.what == "strength":
                 out = strength(store, work, [int(x) for x in args.sizes.split(",")],
                                [float(x) for x in args.strengths.split(",")], matrix=args.matrix)
