@@ -79,6 +79,7 @@ SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
     "speculative_accept_threshold_single", "speculative_accept_threshold_acc",
     "speculative_attention_mode", "watchdog_timeout", "cuda_graph_backend_prefill",
     "mamba_max_states_per_path", "enable_int8_mamba_checkpoint", "int8_mamba_ckpt_size",
+    "sleep_on_idle",
 })
 ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
 # The numeric flags' ranges (ServerArgs' own: sizes, counts and intervals are positive, fractions
