@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -190,7 +191,9 @@ def scenario_floor(store: Store) -> list[dict[str, Any]]:
     for (config, scenario), metrics in sorted(values.items()):
         row: dict[str, Any] = {"config": config, "scenario": scenario}
         for name, v in sorted(metrics.items()):
-            row[name] = {"n": len(v), "mean": sum(v) / len(v), "min": min(v), "max": max(v)}
+            # fmean rounds once, and the clamp keeps n equal values' mean equal to them
+            mean = min(max(statistics.fmean(v), min(v)), max(v))
+            row[name] = {"n": len(v), "mean": mean, "min": min(v), "max": max(v)}
         out.append(row)
     return out
 

@@ -332,7 +332,9 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
                     f"{settings.confidence:.1%}, a change beyond the effect floor {floor:.3g}")
         return j
     if shift.tail_p is not None:
-        least = (lim.tail_factor or 0.0) * float(np.median(base))  # an order of magnitude, say
+        # an order of magnitude, say, above the baseline's median, or above the engine's clean
+        # noise where the baseline repeats the reference exactly (its chunk grids coincided)
+        least = (lim.tail_factor or 0.0) * max(float(np.median(base)), lim.noise or 0.0)
         far = [o for o in shift.outliers if sign * (o[1] - o[2]) > floor and o[1] >= least]
         j.evidence["tail"] = {"p_value": shift.tail_p, "z_bound": shift.tail_z,
                               "outliers": [list(o) for o in far[:10]]}

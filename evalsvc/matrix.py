@@ -293,6 +293,7 @@ class MetricLimits(Strict):
     relative_effect: float | None = Field(None, ge=0)
     tail: bool | None = None
     tail_factor: float | None = Field(None, ge=1)
+    noise: float | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> MetricLimits:

@@ -16,8 +16,9 @@ history says); ``min_effect`` and ``relative_effect`` are the smallest change ag
 that the history test calls a regression (the larger of ``min_effect`` and ``relative_effect`` x the
 baseline mean): a difference must be both statistically clear and this large; ``tail: true`` adds
 the history's tail test (a few samples far out, each beyond that floor and, with ``tail_factor``,
-at least that many times the baseline's median sample), for metrics whose clean spread has no
-sampling in it. ``bit_exact: true``
+at least that many times the baseline's median sample, or ``noise`` where that is larger: the
+engine's clean per-sample scale, for a baseline that repeats the reference exactly), for metrics
+whose clean spread has no sampling in it. ``bit_exact: true``
 (deterministic inference) makes any nonzero KL and any token that differs from the reference a
 regression.
 """

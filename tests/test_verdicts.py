@@ -282,6 +282,29 @@ def test_tail_samples_below_the_effect_floor_do_not_count():
     assert (j.verdict, j.evidence["test"]) == ("regression", "tail")
 
 
+def test_a_baseline_that_repeats_the_reference_exactly_takes_the_engines_noise_for_its_median():
+    """bf16, chunk grids that coincide: every baseline run repeats the reference exactly (extend KL
+    0), so ten times the baseline's median is 0. One batch composed otherwise moves three of five
+    samples to the engine's clean scale (8e-5): with the engine's `noise` that is no tail, and a
+    state bug's hundredfold still is."""
+    hist = Series()
+    for i in range(5):
+        hist.run_ids.append(i + 1)
+        hist.values.append(0.0)
+        hist.samples.append(by_id([0.0] * 5))
+    bare = MetricLimits(max=3e-2, min_effect=5e-6, relative_effect=0.5, tail=True, tail_factor=10)
+    batched = [8.1e-5, 0.0, 7.5e-5, 0.0, 6.9e-5]
+    j = judge(batched, hist=hist, metric="extend_kl_k3_mean",
+              limits=Limits(extend_kl_k3_mean=bare))
+    assert (j.verdict, j.evidence["test"]) == ("regression", "tail")  # without it: a false alarm
+    noisy = Limits(extend_kl_k3_mean=bare.model_copy(update={"noise": 7e-5}))
+    j = judge(batched, hist=hist, metric="extend_kl_k3_mean", limits=noisy)
+    assert j.verdict == "pass" and j.evidence["tail"]["outliers"] == []
+    j = judge([8.1e-5, 0.0, 7e-3, 0.0, 0.0], hist=hist, metric="extend_kl_k3_mean", limits=noisy)
+    assert (j.verdict, j.evidence["test"]) == ("regression", "tail")
+    assert [o[0] for o in j.evidence["tail"]["outliers"]] == ["s002"]
+
+
 def test_greedy_acceptance_that_drops_for_some_prompts_is_a_tail_regression():
     rng = np.random.default_rng(21)
     level = rng.uniform(1.5, 2.8, 48)
