@@ -14,7 +14,7 @@ from evalsvc import model_catalog, verdicts
 from evalsvc.bisect import BisectCreate
 from evalsvc.builds import engine_envs
 from evalsvc.jobs import JobCreate, JobError
-from evalsvc.matrix import MatrixError, expand, load_matrix, matrix_files
+from evalsvc.matrix import MatrixError, expand, load_matrix, matrix_files, resolve_matrix_path
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression
 from evalsvc.verdicts import compare_builds
@@ -218,9 +218,10 @@ def read_matrices() -> list[dict[str, Any]]:
 def read_matrix(name: Annotated[str, Path(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
                 ) -> dict[str, Any]:
     """A matrix and its configs (names, settings, server arguments, fingerprints)."""
-    path = matrix_files().get(name)
-    if path is None:
-        raise HTTPException(status_code=404, detail=f"no matrix {name}")
+    try:  # EVALSVC_CONFIGS_DIR's file, else the shipped one; never outside those directories
+        path = resolve_matrix_path(name, allow_path=False)
+    except MatrixError:
+        raise HTTPException(status_code=404, detail=f"no matrix {name}") from None
     try:
         m = load_matrix(path)
     except MatrixError as exc:
