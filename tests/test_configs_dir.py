@@ -105,3 +105,19 @@ def test_a_bad_directory_is_refused_naming_the_setting(tmp_path, monkeypatch, ki
         Settings()
     with pytest.raises(ValueError, match=f"EVALSVC_CONFIGS_DIR=.*{expected}"):
         load_matrix("smoke")
+
+
+def test_the_api_lists_and_serves_the_operators_matrices(user_dir, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from evalsvc.app import create_app
+
+    (user_dir / "mine.yaml").write_text(matrix("mine", "the operator's own"))
+    (user_dir / "smoke.yaml").write_text(matrix("smoke", "overridden"))
+    settings = Settings(data_dir=tmp_path / "data", nightly=False)
+    with TestClient(create_app(settings, start_runner=False)) as client:
+        listed = {m["name"]: m for m in client.get("/api/v1/matrices").json()}
+        assert listed["mine"]["description"] == "the operator's own"
+        assert listed["smoke"]["description"] == "overridden" and "smoke-bf16" in listed
+        assert client.get("/api/v1/matrices/mine").json()["name"] == "mine"
+        assert client.get("/api/v1/matrices/..%2Fmine").status_code == 404
