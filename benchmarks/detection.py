@@ -10,7 +10,7 @@ by evalsvc's verdicts and by SGLang's own method.
 
 Both record real runs of the matrix's configs (engine processes, the harness, the store) in a
 SQLite store of their own and judge them with ``evalsvc.verdicts`` exactly as the service does:
-fixed limits from ``configs/thresholds.yaml``, the history test against the earlier runs of the
+fixed limits from ``evalsvc/configs/thresholds.yaml``, the history test against the earlier runs of the
 same fingerprint (location and tail), change points along the series.
 
 false-alarms: the defect-free engine evaluated ``--seeds`` times as consecutive commits of one

@@ -8,7 +8,7 @@ Evaluates every config of the matrix (``--configs``: some of them; no defect) on
 (0 .. seeds-1, the same prompts) and reports, per model and scenario, the scenario's mean KL (k3) of
 its runs over all seeds and configs: mean, p99 and max; and the same of the per-sample means (one
 value per prompt), which is what per-prompt tests see. Acceptance lengths of the speculative
-scenario come with them. These are the figures the thresholds of ``configs/thresholds.yaml`` for
+scenario come with them. These are the figures the thresholds of ``evalsvc/configs/thresholds.yaml`` for
 the matrix are calibrated on (BENCHMARKS.md quotes them).
 
 Results go to ``benchmarks/results/floor-MATRIX.json``.

@@ -54,7 +54,8 @@ class BisectCreate(BaseModel):
                                      description="git repository (path or URL)")
     good: str | None = Field(None, max_length=200, description="a commit where the config passes")
     bad: str | None = Field(None, max_length=200, description="a later commit where it fails")
-    matrix: str = Field("smoke", max_length=100, description="matrix name under configs/")
+    matrix: str = Field("smoke", max_length=100, description="matrix name (EVALSVC_CONFIGS_DIR or "
+                                                                 "evalsvc/configs)")
     config: str | None = Field(None, max_length=200, description="the failing config of the matrix")
     scenario: str | None = Field(None, max_length=40, description="the failing scenario")
     metric: str | None = Field(None, max_length=80,

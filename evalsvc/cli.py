@@ -59,7 +59,8 @@ def demo(
 
 @app.command()
 def run(
-    matrix: Annotated[str, typer.Argument(help="matrix name (configs/NAME.yaml) or a YAML file")],
+    matrix: Annotated[str, typer.Argument(help="matrix name (NAME.yaml in EVALSVC_CONFIGS_DIR or the shipped "
+                                                      "evalsvc/configs) or a YAML file")],
     engine: Annotated[str | None, typer.Option(
         help="embedded or sglang (default: the matrix's engine)")] = None,
     engine_python: Annotated[str | None, typer.Option(
@@ -470,7 +471,8 @@ def bisect(
     scenario: Annotated[str | None, typer.Option(help="the failing scenario")] = None,
     metric: Annotated[str | None, typer.Option(help="kl_k3_mean or accept_length (default: any "
                                                     "failure of the scenario)")] = None,
-    matrix: Annotated[str, typer.Option(help="matrix name under configs/")] = "smoke",
+    matrix: Annotated[str, typer.Option(
+        help="matrix name (EVALSVC_CONFIGS_DIR or evalsvc/configs)")] = "smoke",
     patch: Annotated[list[str] | None, typer.Option(help="patch (repeatable)")] = None,
     num_prompts: Annotated[int | None, typer.Option(help="workload size override")] = None,
     regression: Annotated[int | None, typer.Option(help="bisect this stored regression")] = None,

@@ -6,7 +6,7 @@ A metric is judged in this order, and the first rule that decides wins:
 
 1. coverage: a scenario that did not hit the cache as much as its limit asks is ``inconclusive``,
    never a pass;
-2. fixed limits (``configs/thresholds.yaml``): bit-exactness under deterministic inference, the KL
+2. fixed limits (``evalsvc/configs/thresholds.yaml``): bit-exactness under deterministic inference, the KL
    maximum, the acceptance floor;
 3. history: the contender's per-sample values against those of the fingerprint's earlier runs
    (same patch set, before it in commit order, not themselves flagged), which share its prompts
@@ -196,7 +196,7 @@ def locate_extend(j: Judgement | None, profile: PositionKL | None) -> None:
 
 def scenario_limits(config: Config, matrix: MatrixFile | None, scenario: str, *,
                     engine: str | None = None, thresholds: ThresholdsFile | None = None) -> Limits:
-    """The limits in force for a config and a scenario: the rules of ``configs/thresholds.yaml``
+    """The limits in force for a config and a scenario: the rules of ``evalsvc/configs/thresholds.yaml``
     for it (on ``engine``, default the matrix's), then the matrix's own thresholds and the
     config's accept floor. ``matrix``: None when the run's matrix is not known (no thresholds of
     its own)."""

@@ -1,4 +1,4 @@
-"""Matrix files (``configs/*.yaml``) -> configs: named sets of engine settings with fingerprints.
+"""Matrix files (``evalsvc/configs/*.yaml``) -> configs: named sets of engine settings with fingerprints.
 
 A matrix crosses its ``axes`` (asv-style), drops every combination that matches an ``exclude``
 entry, and adds its ``include`` entries. Each resulting config is one point: a model and a value per
@@ -40,10 +40,17 @@ from pydantic import (
 
 from evalsvc import validation
 from evalsvc.engines.sglang_server import TREE_CORE_ENV
-from evalsvc.paths import shipped_model_dir, shipped_sglang_model_dir
+from evalsvc.paths import (
+    SHIPPED_CONFIGS_DIR,
+    configs_dirs,
+    inside,
+    shipped_model_dir,
+    shipped_sglang_model_dir,
+)
 from evalsvc.types import RunResult
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# the shipped matrices (package data); EVALSVC_CONFIGS_DIR's come first (evalsvc.paths.configs_dirs)
+CONFIGS_DIR = SHIPPED_CONFIGS_DIR
 SCENARIOS = ("cold", "prefill_hit", "decode_hit", "branching", "host_tier", "speculative",
              "mixed_hit", "chunked_hit")
 # chunked_hit needs one and a half chunks of new tokens after each cached prefix: larger chunks
@@ -52,7 +59,7 @@ CHUNKED_HIT_MAX_CHUNK = 512
 
 
 # names that become parts of paths and database rows: matrix names, model keys (and through them
-# config names), matrix files under configs/
+# config names), matrix files under evalsvc/configs/
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "letters, digits, '.', '_', '-', at most 64, not starting with '.' or '-', no '..'"
 # a string an engine flag may take: a plain word (no path, no address, no leading dash)
@@ -276,7 +283,7 @@ class WorkloadSpec(Strict):
     concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=4096)
 
 
-# ---- thresholds: one definition for configs/thresholds.yaml and a matrix's own -------------------
+# ---- thresholds: one definition for evalsvc/configs/thresholds.yaml and a matrix's own -------------------
 # (evalsvc.thresholds applies them; here because a matrix carries them)
 
 Coverage = Annotated[float, Field(ge=0, le=1)]  # a fraction of the prompt tokens the cache served
@@ -309,7 +316,7 @@ class MetricLimits(Strict):
 
 
 class RuleBody(Strict):
-    """What a rule of ``configs/thresholds.yaml`` sets (its ``defaults`` too)."""
+    """What a rule of ``evalsvc/configs/thresholds.yaml`` sets (its ``defaults`` too)."""
 
     kl_k3_mean: MetricLimits | None = None
     extend_kl_k3_mean: MetricLimits | None = None
@@ -327,7 +334,7 @@ class RuleBody(Strict):
 
 
 class Thresholds(RuleBody):
-    """A matrix's own thresholds, applied after ``configs/thresholds.yaml`` to each of its
+    """A matrix's own thresholds, applied after ``evalsvc/configs/thresholds.yaml`` to each of its
     configs (the fields and ranges of a rule there; see ``evalsvc.thresholds``), with
     ``min_hit_coverage`` also per scenario (``{prefill_hit: 0.5, ...}``)."""
 
@@ -629,9 +636,10 @@ class Config:
 
 
 def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> MatrixFile:
-    """A matrix by name (``configs/NAME.yaml``), or from a file when ``allow_path`` (the default
-    for a ``Path``: the operator's own code; a string is a name unless the caller allows paths, as
-    the CLI does). Matrices from ``configs/`` go through the engine flag allowlist."""
+    """A matrix by name (``NAME.yaml`` in EVALSVC_CONFIGS_DIR, else in the shipped
+    ``evalsvc/configs``), or from a file when ``allow_path`` (the default for a ``Path``: the
+    operator's own code; a string is a name unless the caller allows paths, as the CLI does).
+    Matrices from those directories go through the engine flag allowlist."""
     if allow_path is None:
         allow_path = isinstance(name_or_path, Path)
     path = resolve_matrix_path(name_or_path, allow_path=allow_path)
@@ -648,7 +656,7 @@ def load_matrix(name_or_path: str | Path, *, allow_path: bool | None = None) -> 
         matrix = MatrixFile.model_validate(raw)
     except ValidationError as exc:
         raise MatrixError(f"{path}: " + describe_errors(exc)) from None
-    if path.parent.resolve() == CONFIGS_DIR.resolve():
+    if path.parent.resolve() in {d.resolve() for d in configs_dirs()}:
         try:
             matrix.check_engine_flags()
         except ValueError as exc:
@@ -662,10 +670,28 @@ def describe_errors(exc: ValidationError, prefix: str = "") -> str:
     return validation.describe_errors(exc, prefix, tidy=True)
 
 
+def matrix_files() -> dict[str, Path]:
+    """The matrices by name (files with models), EVALSVC_CONFIGS_DIR's before the shipped ones: a
+    file of the operator's overrides the shipped one of the same name. Files whose name is not a
+    matrix name, or that resolve outside their directory (a link elsewhere), are left out."""
+    found: dict[str, Path] = {}
+    for directory in configs_dirs():
+        for path in sorted(directory.glob("*.yaml")):
+            if path.stem in found or name_problem(path.stem):
+                continue
+            try:
+                inside(directory, path.name)
+                is_matrix = "\nmodels:" in "\n" + path.read_text()
+            except (ValueError, OSError, UnicodeDecodeError):
+                continue
+            if is_matrix:
+                found[path.stem] = path
+    return dict(sorted(found.items()))
+
+
 def matrix_names() -> list[str]:
-    """The matrices under configs/ (files there with models)."""
-    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")
-                  if not name_problem(p.stem) and "\nmodels:" in "\n" + p.read_text())
+    """The names of ``matrix_files()``."""
+    return list(matrix_files())
 
 
 def resolve_matrix_path(name_or_path: str | Path, *, allow_path: bool = True) -> Path:
@@ -675,18 +701,22 @@ def resolve_matrix_path(name_or_path: str | Path, *, allow_path: bool = True) ->
         if path.suffix in (".yaml", ".yml") and path.is_file():
             return path
     if name_problem(text) is None:
-        candidate = CONFIGS_DIR / f"{text}.yaml"
-        if candidate.is_file():
-            return candidate
+        for directory in configs_dirs():
+            try:  # a name never leaves its directory (a link out of it included)
+                candidate = inside(directory, f"{text}.yaml")
+            except ValueError:
+                continue
+            if candidate.is_file():
+                return candidate
     known = ", ".join(matrix_names())
     shown = repr(text[:100])
     if allow_path:
-        raise MatrixError(f"matrix {shown}: no such file and no configs/{text[:100]}.yaml "
+        raise MatrixError(f"matrix {shown}: no such file and no matrix of that name "
                           f"(known: {known})")
     if name_problem(text):
-        raise MatrixError(f"matrix {shown}: a job names a matrix under configs/ by name, not by "
+        raise MatrixError(f"matrix {shown}: a job names a matrix by name, not by "
                           f"path ({NAME_RULE}; known: {known})")
-    raise MatrixError(f"matrix {shown}: no configs/{text[:100]}.yaml (known: {known})")
+    raise MatrixError(f"matrix {shown}: no such matrix (known: {known})")
 
 
 def expand(matrix: MatrixFile, hardware: str = "cpu", workload_version: str = "",

@@ -1,4 +1,5 @@
-"""Nightly schedules (``configs/nightly.yaml``): each firing evaluates the newest commit or release.
+"""Nightly schedules (``nightly.yaml``: EVALSVC_CONFIGS_DIR's, else the shipped one in
+``evalsvc/configs``): each firing evaluates the newest commit or release.
 
 A schedule names a cron expression, a tracked source (a git remote and branch, PyPI releases of a
 package, or this project's embedded engine), a matrix and up to two patch sets, and optionally the
@@ -25,7 +26,7 @@ from sqlalchemy import select
 
 from evalsvc import children
 from evalsvc.jobs import BuildSpec, JobCreate, JobService
-from evalsvc.matrix import CONFIGS_DIR
+from evalsvc.paths import config_file
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job
@@ -81,7 +82,7 @@ class NightlyFile(BaseModel):
 
 
 def load_schedules(path: Path | None = None) -> list[Schedule]:
-    path = path or CONFIGS_DIR / "nightly.yaml"
+    path = path or config_file("nightly.yaml")
     if not path.is_file():
         return []
     try:

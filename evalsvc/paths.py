@@ -4,9 +4,23 @@ names), always inside their root directory."""
 
 from __future__ import annotations
 
+import os
+from importlib import resources
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+
+def package_dir(*parts: str) -> Path:
+    """A directory shipped inside the evalsvc package (package data: ``configs``,
+    ``dashboard/templates``, ...), found through importlib.resources, so that an installed wheel
+    and an editable checkout read the same files."""
+    found = resources.files("evalsvc").joinpath(*parts)
+    if not isinstance(found, Path) or not found.is_dir():
+        raise FileNotFoundError(f"evalsvc package data {'/'.join(parts)!r} is not a directory on "
+                                f"disk ({found}): install evalsvc unpacked (a wheel or a checkout)")
+    return found
+
+
+ASSETS = package_dir("assets")
 MODELS_DIR = ASSETS / "models"
 DEFAULT_MODEL = "hybrid-mamba2-tiny"
 
@@ -27,6 +41,50 @@ def shipped_sglang_model_dir(name: str) -> Path | None:
     """A shipped SGLang checkpoint by its name (a directory under ``SGLANG_MODELS_DIR``)."""
     directory = SGLANG_MODELS_DIR / name
     return directory if "/" not in name and (directory / "config.json").is_file() else None
+
+
+# the shipped matrices, thresholds.yaml and nightly.yaml
+SHIPPED_CONFIGS_DIR = package_dir("configs")
+CONFIGS_DIR_VARIABLE = "EVALSVC_CONFIGS_DIR"
+
+
+def check_configs_dir(value: str | Path) -> Path:
+    """EVALSVC_CONFIGS_DIR's value as a resolved directory; ValueError naming the setting when it
+    is empty, missing or not a directory."""
+    text = str(value)
+    if not text.strip() or "\0" in text:
+        raise ValueError(f"{CONFIGS_DIR_VARIABLE}={text!r}: not a directory path")
+    path = Path(text).expanduser().resolve()
+    if not path.is_dir():
+        raise ValueError(f"{CONFIGS_DIR_VARIABLE}={text!r}: "
+                         f"{'not a directory' if path.exists() else 'no such directory'} ({path})")
+    return path
+
+
+def user_configs_dir() -> Path | None:
+    """The operator's own configuration directory (EVALSVC_CONFIGS_DIR), None when unset."""
+    value = os.environ.get(CONFIGS_DIR_VARIABLE)
+    return None if value is None or not value.strip() else check_configs_dir(value)
+
+
+def configs_dirs() -> list[Path]:
+    """The directories matrices, thresholds.yaml and nightly.yaml are looked up in, first match
+    wins: EVALSVC_CONFIGS_DIR (when set), then the shipped ``evalsvc/configs``. A file of the
+    operator's overrides the shipped file of the same name; the others stay visible."""
+    user = user_configs_dir()
+    return [user, SHIPPED_CONFIGS_DIR] if user is not None else [SHIPPED_CONFIGS_DIR]
+
+
+def config_file(filename: str) -> Path:
+    """``filename`` (a plain file name, e.g. ``thresholds.yaml``) from the first of
+    ``configs_dirs()`` that has it, inside that directory (see ``inside``); the shipped path when
+    none has it."""
+    dirs = configs_dirs()
+    for directory in dirs:
+        path = inside(directory, filename)
+        if path.is_file():
+            return path
+    return inside(dirs[-1], filename)
 
 
 def inside(root: str | Path, *parts: str | Path) -> Path:

@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from evalsvc.paths import check_configs_dir
+
 Role = Literal["read", "write"]
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
 ENGINE_ENV_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -84,7 +86,14 @@ class Settings(BaseSettings):
     ray_retries: int = 1  # times Ray starts a run again when its worker or node died
     # fnmatch patterns of the build sources jobs may name (comma-separated in the environment)
     allowed_sources: Annotated[list[str], NoDecode] = ["sglang==*", "pypi:*"]
-    nightly_file: Path | None = None  # default: configs/nightly.yaml
+    # the operator's own matrices (and thresholds.yaml, nightly.yaml), looked up before the shipped
+    # ones in evalsvc/configs: a file here overrides the shipped file of the same name
+    configs_dir: Path | None = Field(
+        None, description="EVALSVC_CONFIGS_DIR: a directory of the operator's own matrices "
+        "(NAME.yaml), thresholds.yaml and nightly.yaml, looked up before the shipped ones "
+        "(evalsvc/configs); a file here overrides the shipped file of the same name, the other "
+        "shipped files stay available. Unset or empty: the shipped files alone.")
+    nightly_file: Path | None = None  # default: nightly.yaml of configs_dir, else the shipped one
     nightly: bool = True  # run the nightly schedules inside the service
     alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
     public_url: str | None = None  # the dashboard's address, for links in alerts
@@ -171,6 +180,14 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value):
         """An empty variable (compose's ``${EVALSVC_SESSION_SECRET:-}``) sets nothing."""
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("configs_dir", mode="before")
+    @classmethod
+    def _configs_dir(cls, value):
+        """An existing directory (evalsvc.paths reads the same variable with the same check)."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        return check_configs_dir(value)
 
     @field_validator("allowed_sources", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Verdict thresholds (``configs/thresholds.yaml``): what counts as a regression, per config and
+"""Verdict thresholds (``evalsvc/configs/thresholds.yaml``): what counts as a regression, per config and
 scenario, and how the history test is run.
 
 The file has ``defaults``, then ``rules`` applied in order: a rule whose ``match`` fits a config and
@@ -35,7 +35,6 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from evalsvc.matrix import (  # the rules' fields: one definition with a matrix's own
     AXES,
-    CONFIGS_DIR,
     DEFAULTS,
     METRIC_NAMES,
     SCENARIOS,
@@ -44,9 +43,11 @@ from evalsvc.matrix import (  # the rules' fields: one definition with a matrix'
     Strict,
     Thresholds,
 )
+from evalsvc.paths import SHIPPED_CONFIGS_DIR, config_file
 from evalsvc.validation import describe_errors
 
-THRESHOLDS_FILE = CONFIGS_DIR / "thresholds.yaml"
+# the shipped file; one in EVALSVC_CONFIGS_DIR replaces it (load_thresholds)
+THRESHOLDS_FILE = SHIPPED_CONFIGS_DIR / "thresholds.yaml"
 MATCH_KEYS = {"matrix", "engine", "config", "model", "scenario"} | (set(AXES) - {"model"})
 
 
@@ -102,7 +103,7 @@ class Limits(BaseModel):
 
 
 def load_thresholds(path: Path | None = None) -> ThresholdsFile:
-    path = path or THRESHOLDS_FILE
+    path = path or config_file("thresholds.yaml")
     return _load(str(path), path.stat().st_mtime_ns if path.is_file() else 0)
 
 

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 EXPECTED = WHERE
 
 # the float32 engine (a hit reproduces a cold recompute to rounding) and the bf16 one (GPU-like
-# numerics, thresholds calibrated on its clean floor: configs/thresholds.yaml)
+# numerics, thresholds calibrated on its clean floor: evalsvc/configs/thresholds.yaml)
 MATRICES = [pytest.param(m, marks=pytest.mark.xdist_group(f"detection-{m}"))
             for m in ("smoke", "smoke-bf16")]
 

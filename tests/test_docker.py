@@ -232,3 +232,13 @@ def test_compose_secrets_come_from_the_env_file_and_are_documented():
         for key, value in environment(svc).items():
             if re.search(r"PASSWORD|TOKEN|WEBHOOK", key) and key != "RAY_AUTH_MODE":
                 assert value.startswith("${"), f"compose.yaml {name}: literal {key}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_install_the_wheel_not_an_editable_checkout(dockerfile):
+    """The images install the evalsvc wheel (its matrices, thresholds and dashboard templates are
+    package data): no editable install, and no copy of the old top-level configs/ or dashboards/."""
+    text = dockerfile.read_text()
+    assert not re.search(r"pip install[^\n]*(\s-e\s|--editable)", text), dockerfile.name
+    assert "pip wheel" in text and "COPY --from=wheel" in text, dockerfile.name
+    assert not re.search(r"^COPY[ \t]+(configs|dashboards)\b", text, re.M), dockerfile.name

@@ -193,7 +193,7 @@ def test_numeric_engine_flags_in_their_ranges_are_accepted(client):
     assert resp.status_code == 201, resp.text
 
 
-# ---- 2b. thresholds: the ranges of configs/thresholds.yaml --------------------------------------
+# ---- 2b. thresholds: the ranges of evalsvc/configs/thresholds.yaml --------------------------------------
 
 @pytest.mark.parametrize(("thresholds", "field"), [
     ({"min_hit_coverage": 5}, "matrix.thresholds.min_hit_coverage"),

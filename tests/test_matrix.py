@@ -116,7 +116,7 @@ def test_config_args_are_sglang_server_args():
     assert cfg.settings["chunked_prefill"] == 512  # chunked_hit's largest chunk
     assert set(cfg.scenarios) == {"cold", "prefill_hit", "decode_hit", "branching", "host_tier",
                                   "speculative", "chunked_hit"}
-    assert cfg.accept_floor is None  # floors live in configs/thresholds.yaml
+    assert cfg.accept_floor is None  # floors live in evalsvc/configs/thresholds.yaml
     assert set(AXES) >= set(cfg.settings)
 
 

@@ -14,7 +14,7 @@ from evalsvc import model_catalog, verdicts
 from evalsvc.bisect import BisectCreate
 from evalsvc.builds import engine_envs
 from evalsvc.jobs import JobCreate, JobError
-from evalsvc.matrix import CONFIGS_DIR, MatrixError, expand, load_matrix
+from evalsvc.matrix import MatrixError, expand, load_matrix, matrix_files, resolve_matrix_path
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression
 from evalsvc.verdicts import compare_builds
@@ -202,9 +202,9 @@ def read_compare(session: SessionDep,
 
 @router.get("/matrices", tags=["matrices"])
 def read_matrices() -> list[dict[str, Any]]:
-    """The matrices under configs/."""
+    """The matrices: EVALSVC_CONFIGS_DIR's and the shipped ones (the operator's first)."""
     out = []
-    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+    for path in matrix_files().values():
         try:
             m = load_matrix(path)
         except MatrixError:
@@ -218,9 +218,10 @@ def read_matrices() -> list[dict[str, Any]]:
 def read_matrix(name: Annotated[str, Path(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
                 ) -> dict[str, Any]:
     """A matrix and its configs (names, settings, server arguments, fingerprints)."""
-    path = CONFIGS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise HTTPException(status_code=404, detail=f"no matrix {name}")
+    try:  # EVALSVC_CONFIGS_DIR's file, else the shipped one; never outside those directories
+        path = resolve_matrix_path(name, allow_path=False)
+    except MatrixError:
+        raise HTTPException(status_code=404, detail=f"no matrix {name}") from None
     try:
         m = load_matrix(path)
     except MatrixError as exc:

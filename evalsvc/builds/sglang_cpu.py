@@ -63,7 +63,8 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "sglang-cpu"
 DEFAULT_KERNEL = SHARED / "sglang_kernel_cpu-0.4.5-cp311-cp311-linux_x86_64.whl"
 DEFAULT_PORTABLE = SHARED / "sglang_kernel_cpu-0.4.5+avx2-cp311-cp311-linux_x86_64.whl"
-OPS_SOURCE = REPO / "evalsvc" / "engines" / "sglang_cpu_ops.py"
+# inside the package (a wheel install has no checkout around it)
+OPS_SOURCE = Path(__file__).resolve().parents[1] / "engines" / "sglang_cpu_ops.py"
 OPS_MODULE = "evalsvc_sglang_cpu_ops"
 KERNEL_DIR = "kernel-avx512"  # in the environment: the AVX-512 build's sgl_kernel
 DEFAULT_DEST = REPO / ".venv-sglang-cpu"

@@ -1,5 +1,5 @@
 """The web dashboard: HTML pages over the store (``views``), the forms people act through
-(``actions``: sign-in, triage, bisections, jobs), templates and assets under ``dashboards/``, and
+(``actions``: sign-in, triage, bisections, jobs), templates and assets under ``evalsvc/dashboard/``, and
 Plotly's JavaScript from the installed ``plotly`` package."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def plotly_js() -> Path:
 
 
 def mount_dashboard(app: FastAPI) -> None:
-    """Add the pages and forms, ``/static`` (dashboards/static) and ``/vendor/plotly.min.js`` to
+    """Add the pages and forms, ``/static`` (evalsvc/dashboard/static) and ``/vendor/plotly.min.js`` to
     ``app``."""
     script = plotly_js()
     app.include_router(actions.sign_in_router)

@@ -30,6 +30,7 @@ from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import extend_tokens, read_sample, sample_tokens, top_candidates
 from evalsvc.judging import LABELS, METRICS
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
+from evalsvc.paths import package_dir
 from evalsvc.settings import Settings
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Regression, Run
@@ -41,7 +42,8 @@ from evalsvc.web.deps import SessionDep, ShownDep, current_user, require_read
 from evalsvc.web.params import JobId, RegressionId, RunId
 from evalsvc.web.redact import job_as_seen, run_as_seen
 
-DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"
+# the dashboard's templates and static files: package data of evalsvc.dashboard
+DASHBOARDS_DIR = package_dir("dashboard")
 templates = Jinja2Templates(directory=DASHBOARDS_DIR / "templates")
 router = APIRouter(dependencies=[Depends(require_read)], include_in_schema=False,
                    default_response_class=HTMLResponse)
@@ -296,7 +298,7 @@ def source_of(session: Session, ref: str | None, patch_set: str = "") -> str:
 def job_form(matrix: str | None = None, configs: Iterable[str] = (),
              builds: list[tuple[str, str]] | None = None, settings: Settings | None = None,
              **values: Any) -> dict[str, Any]:
-    """What the job form shows: the matrices under configs/, the chosen one's configs (those in
+    """What the job form shows: the matrices under evalsvc/configs/, the chosen one's configs (those in
     ``configs`` ticked; none ticked: all), one or two builds as (source, patches), with
     ``settings`` the engine environments and models jobs may name (as the API lists them), and the
     other fields' values (``num_prompts``, ``track``, ``priority``, ``engine_env``, ``model``,

@@ -120,7 +120,7 @@ def release_version(source: str | None) -> str | None:
 
 
 class JobCreate(BaseModel):
-    """A job: a matrix (a name under configs/ or inline) on one or two builds."""
+    """A job: a matrix (a name in EVALSVC_CONFIGS_DIR or evalsvc/configs/, or inline) on one or two builds."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -204,7 +204,7 @@ def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> 
     what one job may expand to; JobError if not."""
     limits = settings
     try:
-        if isinstance(body.matrix, str):  # a name under configs/, never a path
+        if isinstance(body.matrix, str):  # a name (evalsvc.matrix.resolve_matrix_path), never a path
             matrix = load_matrix(body.matrix, allow_path=False)
         else:
             size = len(json.dumps(body.matrix))
@@ -224,7 +224,8 @@ def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> 
     except ValueError as exc:
         raise JobError(f"matrix.{exc}") from None
     # a client names models by name, or directories under the model roots (model_catalog); the
-    # matrices in configs/ (and the operator's schedules, bisections and CLI) may name their own
+    # named matrices (evalsvc/configs/, EVALSVC_CONFIGS_DIR; and the operator's schedules,
+    # bisections and CLI) may name their own
     from_client = not trusted
     if body.model is not None:
         path = (_client_model(body.model, engine, settings, "model") if from_client
@@ -245,7 +246,8 @@ def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> 
     from evalsvc.workloads import WorkloadError, check_dataset
 
     # a client names builtin or hub datasets, and local files only under EVALSVC_DATASETS_DIR;
-    # the matrices in configs/ (and the operator's schedules) may use their own files
+    # named matrices (evalsvc/configs/, EVALSVC_CONFIGS_DIR; and the operator's schedules) may use
+    # their own files
     from_client = not isinstance(body.matrix, str) or "dataset" in (body.workload or {})
     local_ok = trusted or not from_client
     try:

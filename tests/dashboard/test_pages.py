@@ -184,7 +184,7 @@ def test_overview_shows_latest_verdicts_and_trends(client):
     assert [c[1] for c in data["commits"]] == ["aaa111", "bbb222", "ccc333", "rel444"]
     charts = {c["config"]: c for c in data["charts"]}
     assert set(charts) == {MAMBA, GDN}
-    assert charts[MAMBA]["threshold"] == 1e-8  # configs/smoke.yaml
+    assert charts[MAMBA]["threshold"] == 1e-8  # evalsvc/configs/smoke.yaml
     series = {s["name"]: s for s in charts[MAMBA]["series"]}
     assert set(series) == {"cold", "prefill_hit", "cold [pr-fix]", "prefill_hit [pr-fix]"}
     broken = series["prefill_hit"]

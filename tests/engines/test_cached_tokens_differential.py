@@ -52,7 +52,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_gro
 MARK = "EVALSVC_TEST_SGLANG_DIFF"
 EMBEDDED_MODEL = "hybrid-gdn-tiny"  # gated deltanet + attention, as Qwen3-Next
 MAX_NEW_TOKENS = 4
-# flags both engines get (SGLang ServerArgs fields), as configs/sglang-cpu.yaml gives them
+# flags both engines get (SGLang ServerArgs fields), as evalsvc/configs/sglang-cpu.yaml gives them
 COMMON = {"device": "cpu", "mamba_track_interval": 64, "max_total_tokens": 8192,
           "max_running_requests": 4, "mem_fraction_static": 0.05, "random_seed": 0,
           "disable_overlap_schedule": True}

@@ -1,4 +1,5 @@
-"""The CPU matrix (``configs/sglang-cpu.yaml``) against SGLang 0.5.17's own rules for ``--device cpu``.
+"""The CPU matrix (``evalsvc/configs/sglang-cpu.yaml``) against SGLang 0.5.17's own rules for
+``--device cpu``.
 
 The checker runs here without its GPU-host patches, so SGLang resolves every command as it would on
 this CPU: each config the matrix runs must be accepted and resolve to what it asked, and each

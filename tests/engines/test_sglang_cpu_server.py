@@ -225,7 +225,7 @@ def test_a_build_of_the_release_starts_and_serves_with_and_without_a_defect_patc
     wheel's whole ``sglang`` package laid over the CPU environment, its engine starts and serves,
     and the scenario is scored. With the defect patch, the manifest says the patch is in and the
     server that runs it is the build's (its log names the build's files)."""
-    matrix = yaml.safe_load((ROOT / "configs" / "sglang-cpu.yaml").read_text())
+    matrix = yaml.safe_load((ROOT / "evalsvc" / "configs" / "sglang-cpu.yaml").read_text())
     matrix.update(name="sglang-cpu-build", scenarios=["cold", "chunked_hit"])
     matrix["workload"]["num_prompts"] = 4
     file = tmp_path / "sglang-cpu-build.yaml"
