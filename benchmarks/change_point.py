@@ -29,22 +29,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from evalsvc.metrics.stats import _split_statistics, change_point  # noqa: E402
+from evalsvc.metrics.stats import change_point  # noqa: E402
+from tests.oracles.change_point import PERMUTATIONS, loop_change_point  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-PERMUTATIONS = 1999
-
-
-def loop_change_point(x: np.ndarray, permutations: int = PERMUTATIONS, seed: int = 0,
-                      min_segment: int = 2) -> tuple[float, float]:
-    """(statistic, p_value) as ``change_point`` computed them before: a shuffle per call (the
-    oracle ``tests/test_verdicts.py`` pins ``change_point`` against)."""
-    rng = np.random.default_rng(seed)
-    perms = np.stack([x] + [rng.permutation(x) for _ in range(permutations)])
-    stats = _split_statistics(perms, min_segment)
-    observed = stats[0].max()
-    exceed = int(np.sum(stats[1:].max(axis=1) >= observed - 1e-12 * abs(observed)))
-    return float(observed), (1 + exceed) / (1 + permutations)
 
 
 def timed(fn, calls: int) -> float:

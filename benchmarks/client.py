@@ -56,29 +56,13 @@ from evalsvc.evaluate import prepare  # noqa: E402
 from evalsvc.matrix import load_matrix  # noqa: E402
 from evalsvc.scenarios import TOP_K  # noqa: E402
 from evalsvc.tokenization import tokenized  # noqa: E402
+from tests.oracles.responses import CACHED, PROMPT_TOKENS, response_body  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-PROMPT_TOKENS = 200
-CACHED = 120  # the prefix a hit would have cached: prompt logprobs are asked for after it
 ENGINE_CONFIG = "mamba2-eb-ov-c64"
 
 
 # ---- the stand-in server --------------------------------------------------------------------------
-
-def response_body(max_new_tokens: int, prompt_tokens: int = PROMPT_TOKENS,
-                  cached: int = CACHED) -> bytes:
-    """A ``/generate`` response of the requests' shape, as SGLang writes one."""
-    out = [[-0.25 - 0.01 * (i % 7), 100 + i, None] for i in range(max_new_tokens)]
-    top = [[[-0.25 - 0.3 * j, 100 + i + 37 * j, None] for j in range(TOP_K)]
-           for i in range(max_new_tokens)]
-    inputs = [[-1.5 - 0.01 * (i % 5), i, None] for i in range(cached, prompt_tokens)]
-    meta = {"id": "0", "finish_reason": {"type": "length", "length": max_new_tokens},
-            "prompt_tokens": prompt_tokens, "completion_tokens": max_new_tokens,
-            "cached_tokens": cached, "output_token_logprobs": out, "output_top_logprobs": top,
-            "input_token_logprobs": inputs, "input_top_logprobs": None}
-    return json.dumps({"text": "", "output_ids": [e[1] for e in out],
-                       "meta_info": meta}).encode()
-
 
 class StandIn(asyncio.Protocol):
     """HTTP/1.1 with keep-alive: every request with a body answered with ``reply``."""

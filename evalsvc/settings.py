@@ -51,74 +51,101 @@ class UserConfig(BaseModel):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EVALSVC_", extra="ignore")
 
-    data_dir: Path = Path("data")
-    database_url: str | None = None  # default: SQLite in data_dir
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_token: str | None = None  # bearer token for mutating endpoints
-    read_token: str | None = None  # bearer token for reads (open when unset)
-    # people: JSON, [{"name": "alice", "role": "write", "token_sha256": "..."}, ...]; their tokens
-    # sign in to the dashboard and are bearer tokens of the API (with any user, reads need one)
-    users: Annotated[list[UserConfig], NoDecode] = Field(default_factory=list)
-    # behind a reverse proxy that authenticates: the header naming the user (X-Forwarded-User);
-    # honoured only when set, and then the service must be reachable through that proxy alone
-    trusted_user_header: str | None = Field(None, pattern=r"^[A-Za-z0-9-]{1,100}$")
-    # the role of a user the header names who is not in EVALSVC_USERS (one who is has theirs)
-    trusted_user_role: Role = "read"
-    # signs the dashboard's session cookie; unset: a random one per start (sign-ins end with it)
-    session_secret: SecretStr | None = Field(None, min_length=16)
-    session_max_age_s: int = Field(12 * 3600, ge=60, le=90 * 86400)  # a sign-in lasts this long
-    session_https_only: bool = False  # the cookie's Secure flag: set it when served over HTTPS
-    engine_slots: int = 1  # runs at once (engines on this machine)
-    engine_python: str | None = None  # python of the SGLang environment builds are laid over
-    # SGLang environments jobs may name (engine_env), JSON: {"NAME": "/path/to/bin/python", ...};
-    # EVALSVC_ENGINE_PYTHON is the one named "default" (evalsvc/builds/engine_envs.py)
-    engine_envs: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
-    # also name the environments `make sglang-cpu` and the SGLang env builder made where they make
-    # them (the checkout's .venv-sglang-cpu, EVALSVC_SGLANG_ENV_DIR or ~/.cache/evalsvc/sglang-envs)
-    discover_engine_envs: bool = True
-    # models jobs may name besides the shipped ones: each subdirectory with a config.json
-    models_dir: Path | None = None
-    # runs go to this Ray cluster (what ray.init(address=...) takes: HOST:6379, ray://HOST:10001
-    # or auto) instead of the engine slots here; needs the ray extra
-    ray_address: str | None = None
-    ray_slot_resource: str = "GPU"  # the Ray resource a run requests tp_size of
-    ray_retries: int = 1  # times Ray starts a run again when its worker or node died
-    # fnmatch patterns of the build sources jobs may name (comma-separated in the environment)
-    allowed_sources: Annotated[list[str], NoDecode] = ["sglang==*", "pypi:*"]
-    # the operator's own matrices (and thresholds.yaml, nightly.yaml), looked up before the shipped
-    # ones in evalsvc/configs: a file here overrides the shipped file of the same name
+    data_dir: Path = Field(Path("data"), description="where the service keeps its data: the "
+                           "SQLite store, results, logs and builds (each unless set otherwise)")
+    database_url: str | None = Field(None, description="the store's SQLAlchemy URL, PostgreSQL "
+                                     "included; unset: SQLite at data_dir/evalsvc.db")
+    host: str = Field("127.0.0.1", description="the address the service binds")
+    port: int = Field(8000, description="the port the service listens on")
+    api_token: str | None = Field(None, description="the write token: the bearer token every "
+                                  "write needs (unset, and no user of role write: the service "
+                                  "binds loopback only)")
+    read_token: str | None = Field(None, description="the bearer token every read needs: the "
+                                   "API, the dashboard's pages, /metrics (unset: reads are open)")
+    users: Annotated[list[UserConfig], NoDecode] = Field(
+        default_factory=list, description="people, as JSON: [{\"name\": \"alice\", \"role\": "
+        "\"write\", \"token_sha256\": \"...\"}, ...]; their tokens sign in to the dashboard and are "
+        "bearer tokens of the API (with any user, reads need one)")
+    trusted_user_header: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9-]{1,100}$",
+        description="behind a reverse proxy that authenticates: the header naming the user "
+        "(X-Forwarded-User); honoured only when set, and then the service must be reachable "
+        "through that proxy alone")
+    trusted_user_role: Role = Field("read", description="the role of a user the trusted header "
+                                    "names who is not in EVALSVC_USERS (one who is has theirs)")
+    session_secret: SecretStr | None = Field(
+        None, min_length=16, description="signs the dashboard's session cookie; unset: a random "
+        "one per start, so sign-ins end when the service stops")
+    session_max_age_s: int = Field(12 * 3600, ge=60, le=90 * 86400,
+                                   description="how long a sign-in lasts, in seconds")
+    session_https_only: bool = Field(False, description="the session cookie's Secure flag: set "
+                                     "it for a dashboard served over HTTPS")
+    engine_slots: int = Field(1, description="runs at once (engines on this machine)")
+    engine_python: str | None = Field(None, description="python of the SGLang environment builds "
+                                      "are laid over (the environment named default)")
+    engine_envs: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict, description="SGLang environments jobs may name (engine_env), as "
+        "JSON: {\"NAME\": \"/path/to/bin/python\", ...}; EVALSVC_ENGINE_PYTHON is the one named "
+        "default (evalsvc/builds/engine_envs.py)")
+    discover_engine_envs: bool = Field(
+        True, description="also name the environments `make sglang-cpu` and the SGLang env "
+        "builder made where they make them (the checkout's .venv-sglang-cpu, "
+        "EVALSVC_SGLANG_ENV_DIR or ~/.cache/evalsvc/sglang-envs)")
+    models_dir: Path | None = Field(None, description="models jobs may name besides the shipped "
+                                    "ones: each subdirectory with a config.json (unset: only the "
+                                    "shipped models)")
+    ray_address: str | None = Field(
+        None, description="runs go to this Ray cluster (what ray.init(address=...) takes: "
+        "HOST:6379, ray://HOST:10001 or auto) instead of the engine slots here; needs the ray "
+        "extra")
+    ray_slot_resource: str = Field("GPU", description="the Ray resource a run requests tp_size "
+                                   "of")
+    ray_retries: int = Field(1, description="times Ray starts a run again when its worker or node "
+                             "died")
+    allowed_sources: Annotated[list[str], NoDecode] = Field(
+        ["sglang==*", "pypi:*"], description="fnmatch patterns of the build sources jobs may name "
+        "(comma-separated)")
     configs_dir: Path | None = Field(
-        None, description="EVALSVC_CONFIGS_DIR: a directory of the operator's own matrices "
+        None, description="a directory of the operator's own matrices "
         "(NAME.yaml), thresholds.yaml and nightly.yaml, looked up before the shipped ones "
         "(evalsvc/configs); a file here overrides the shipped file of the same name, the other "
         "shipped files stay available. Unset or empty: the shipped files alone.")
-    nightly_file: Path | None = None  # default: nightly.yaml of configs_dir, else the shipped one
-    nightly: bool = True  # run the nightly schedules inside the service
-    alert_webhook: str | None = None  # Slack-compatible incoming webhook for regression alerts
-    public_url: str | None = None  # the dashboard's address, for links in alerts
+    nightly_file: Path | None = Field(None, description="the nightly schedules; unset: "
+                                      "nightly.yaml of configs_dir, else the shipped one")
+    nightly: bool = Field(True, description="run the nightly schedules inside the service")
+    alert_webhook: str | None = Field(None, description="Slack-compatible incoming webhook for "
+                                      "regression alerts")
+    public_url: str | None = Field(None, description="the dashboard's address, for links in "
+                                   "alerts")
     # http
-    # the largest request body taken, in bytes; a larger one is refused with 413 before it is read
-    max_body_bytes: int = Field(1024 * 1024, ge=1)
+    max_body_bytes: int = Field(1024 * 1024, ge=1, description="the largest request body taken, "
+                                "in bytes; a larger one is refused with 413 before it is read")
     # limits on what one submitted job may expand to, checked at submission (422 naming them)
-    max_configs_per_job: int = Field(256, ge=1)  # configs x builds
-    # values of one axis, include + exclude entries, and the axes' cross product before exclusion
-    max_matrix_entries: int = Field(1000, ge=1)
-    max_job_prompts: int = Field(20_000, ge=1)  # prompts x configs x builds
-    max_job_tokens: int = Field(2_000_000, ge=1)  # max_new_tokens x prompts x configs x builds
-    max_matrix_bytes: int = Field(262_144, ge=1)  # an inline matrix, as JSON
-    # local dataset files API jobs may name lie under this directory (None: none may)
-    datasets_dir: Path | None = None
-    # engine builds and git mirrors (evalsvc/builds); default: data_dir/builds
-    builds_dir: Path | None = None
+    max_configs_per_job: int = Field(256, ge=1, description="limit on one job, checked at "
+                                     "submission: configs x builds")
+    max_matrix_entries: int = Field(1000, ge=1, description="limit on one job: values of one "
+                                    "axis, include + exclude entries, and the axes' cross product "
+                                    "before exclusion")
+    max_job_prompts: int = Field(20_000, ge=1, description="limit on one job: prompts x configs "
+                                 "x builds")
+    max_job_tokens: int = Field(2_000_000, ge=1, description="limit on one job: max_new_tokens x "
+                                "prompts x configs x builds")
+    max_matrix_bytes: int = Field(262_144, ge=1, description="limit on one job: an inline "
+                                  "matrix, as JSON")
+    datasets_dir: Path | None = Field(None, description="local dataset files API jobs may name "
+                                      "lie under this directory (unset: none may)")
+    builds_dir: Path | None = Field(None, description="engine builds and git mirrors "
+                                    "(evalsvc/builds); unset: data_dir/builds")
     # engines
-    # a run's deadline in seconds, engine start-up included, for matrices without run_timeout_s:
-    # past it the run is an error and its engine is killed (the smoke matrix's runs take minutes)
-    run_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)
+    run_timeout_s: float = Field(
+        1800.0, gt=0, le=7 * 86400, description="a run's deadline in seconds, engine start-up "
+        "included, for matrices without run_timeout_s: past it the run is an error and its engine "
+        "group is killed")
     # runner
-    # a job the runner took up this many times without finishing it (each time the service died
-    # while running it) is failed by the next start-up's recovery instead of tried again
-    runner_max_attempts: int = Field(3, ge=1)
+    runner_max_attempts: int = Field(
+        3, ge=1, description="a job the runner took up this many times without finishing it (each "
+        "time the service died while running it) is failed by the next start-up's recovery "
+        "instead of tried again")
 
     @model_validator(mode="after")
     def _distinct_users(self) -> Settings:
@@ -208,3 +235,63 @@ class Settings(BaseSettings):
         """Where engine builds and git mirrors are cached (``EVALSVC_BUILDS_DIR``, else
         ``data_dir/builds``), absolute."""
         return (self.builds_dir or self.data_dir / "builds").resolve()
+
+
+# ---- the settings table in README.md -------------------------------------------------------------
+
+TABLE_START = "<!-- settings table: generated by `python -m evalsvc.settings --update README.md` -->"
+TABLE_END = "<!-- end of settings table -->"
+
+
+def _default_text(field) -> str:
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, list):
+        return f"`{','.join(map(str, value))}`" if value else "none"
+    if isinstance(value, dict):
+        return f"`{json.dumps(value)}`" if value else "none"
+    return f"`{value}`"
+
+
+def markdown_table() -> str:
+    """The settings as a Markdown table: environment variable, default, description."""
+    rows = ["| Variable | Default | Description |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        if not field.description:
+            raise ValueError(f"setting {name} has no description")
+        text = field.description.replace("|", "\\|")
+        rows.append(f"| `EVALSVC_{name.upper()}` | {_default_text(field)} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
+def with_table(text: str) -> str:
+    """``text`` with the table between its markers made anew."""
+    head, found, rest = text.partition(TABLE_START + "\n")
+    _, found_end, tail = rest.partition(TABLE_END)
+    if not found or not found_end:
+        raise ValueError(f"the markers {TABLE_START!r} and {TABLE_END!r} are not both there")
+    return head + TABLE_START + "\n" + markdown_table() + TABLE_END + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m evalsvc.settings",
+                                     description="The EVALSVC_ settings as a Markdown table.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--markdown", action="store_true", help="print the table")
+    what.add_argument("--update", type=Path, metavar="FILE",
+                      help="rewrite the table between the markers in FILE (README.md)")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_table(), end="")
+    else:
+        args.update.write_text(with_table(args.update.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

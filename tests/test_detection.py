@@ -24,15 +24,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from benchmarks.detection import WHERE, acting_configs
 from evalsvc.engines.base import EngineSpec
 from evalsvc.evaluate import evaluate, prepare, summary_rows
 from evalsvc.matrix import load_matrix
+from tests.oracles.detection import WHERE, acting_configs
 
 pytestmark = pytest.mark.slow
 
 # (config, scenario) pairs that must fail with each defect, and pairs that may also fail because
-# they take the same path for some prompts; everything else must pass (benchmarks/detection.py)
+# they take the same path for some prompts; everything else must pass (tests/oracles/detection.py)
 EXPECTED = WHERE
 
 # the float32 engine (a hit reproduces a cold recompute to rounding) and the bf16 one (GPU-like

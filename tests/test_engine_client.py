@@ -17,7 +17,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from benchmarks.client import response_body
 from evalsvc.engines.client import (
     EngineClient,
     EngineTimeout,
@@ -27,6 +26,7 @@ from evalsvc.engines.client import (
 )
 from evalsvc.matrix import DEFAULT_CONCURRENCY, WorkloadSpec, load_matrix
 from evalsvc.workloads import load_prompts, workload_version
+from tests.oracles.responses import response_body
 
 
 class Server(ThreadingHTTPServer):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.detection import false_alarms
 from evalsvc.store.db import Store
+from tests.oracles.detection import false_alarms
 
 pytestmark = pytest.mark.slow
 

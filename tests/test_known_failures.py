@@ -1,5 +1,5 @@
 """A known failure on the embedded engine, end to end: its planted defects (``EVALSVC_ENGINE_DEFECTS``,
-where ``benchmarks/detection.py`` says they act) evaluated commit after commit in one tracked
+where ``tests/oracles/detection.py`` says they act) evaluated commit after commit in one tracked
 series, recorded and judged as the service and the detection benchmark do (``evaluate_recorded``).
 
 host-load-race fails the host tier of ``gdn-nb-sync-c64-hicache`` past the engine's fixed limit;
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from benchmarks.detection import WHERE, evaluate_recorded
 from evalsvc.alerts import collect
 from evalsvc.matrix import load_matrix
 from evalsvc.store.db import Store
 from evalsvc.store.models import Alert, Regression, Run, ScenarioRow
 from evalsvc.verdicts import triage_regression
+from tests.oracles.detection import WHERE, evaluate_recorded
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,7 @@
-"""The package's import structure as docs/design.md draws it: entry points -> jobs -> dispatch ->
+"""The package's import structure as README.md's Layout section draws it: entry points -> jobs -> dispatch ->
 harness -> engines / metrics / matrix / store -> types, no import running against that direction
-(function-level imports included) and no import cycle between modules."""
+(function-level imports included) and no import cycle between modules; and the tests own their
+oracles (``tests/oracles``): nothing under tests/ imports ``benchmarks``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "evalsvc"
+TESTS = Path(__file__).resolve().parent
 
 # each module's floor (the longest prefix decides): a module may import its own floor and below
 FLOORS = {
@@ -126,3 +128,20 @@ def test_no_import_cycle(lazy: bool):
     edges = {m: {n for _, n, top in imports(m, p, known) if top or lazy}
              for m, p in known.items()}
     assert not cycles(edges)
+
+
+def test_no_test_imports_benchmarks():
+    """Benchmarks may import from ``evalsvc`` and ``tests.oracles``; tests never from
+    ``benchmarks`` (function-level imports included)."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(TESTS.parent)}:{node.lineno}: {name}" for name in names
+                      if name == "benchmarks" or name.startswith("benchmarks.")]
+    assert not found, "\n".join(found)

@@ -1,5 +1,5 @@
 """``harness.score`` against the per-sample implementation it replaced
-(``benchmarks/scoring.py: straightforward_score``), on random scenarios and edge cases: the same
+(``tests/oracles/scoring.py: straightforward_score``), on random scenarios and edge cases: the same
 metrics and rows bit for bit, and the same errors."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-import benchmarks.scoring as reference
 import evalsvc.metrics.kl as kl_mod
 import evalsvc.metrics.stats as stats_mod
-from benchmarks.scoring import make_samples, scenario_config, straightforward_score
+import tests.oracles.scoring as reference
 from evalsvc.harness import score
 from evalsvc.metrics import summarize_kl, token_kl, token_kl_by_sample
 from evalsvc.scenarios import Sample
 from evalsvc.types import Completion, SpecCounters, TopLogprobs
+from tests.oracles.scoring import make_samples, scenario_config, straightforward_score
 
 
 def same(a: Any, b: Any, where: str = "") -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.change_point import loop_change_point
 from evalsvc.judging import Series, judge_metric
 from evalsvc.metrics.stats import change_point, welch_difference
 from evalsvc.thresholds import HistorySettings, Limits, MetricLimits, ThresholdError, limits_for
 from evalsvc.thresholds import load_thresholds as load
+from tests.oracles.change_point import loop_change_point
 
 HS = HistorySettings()
 KL = Limits(kl_k3_mean=MetricLimits(max=1e-8, min_effect=1e-9),

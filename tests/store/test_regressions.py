@@ -209,7 +209,7 @@ def test_a_run_judged_from_the_store_says_where_its_extend_fails(store, tmp_path
 
 
 # the embedded engine's planted defects in one config where two act, where they always act there
-# (benchmarks/detection.py WHERE): deferred-ops-dropped on its prefix hits (prefill_hit,
+# (tests/oracles/detection.py WHERE): deferred-ops-dropped on its prefix hits (prefill_hit,
 # chunked_hit), host-load-race on its host tier
 KNOWN_CONFIG = "gdn-nb-sync-c64-hicache"
 PR = "https://github.com/sgl-project/sglang/pull/29068"
@@ -217,7 +217,7 @@ PR = "https://github.com/sgl-project/sglang/pull/29068"
 
 def planted(defect: str) -> list[str]:
     """The scenarios of KNOWN_CONFIG where a planted defect always acts."""
-    from benchmarks.detection import WHERE
+    from tests.oracles.detection import WHERE
 
     return sorted(s for c, s in WHERE[defect]["must"] if c == KNOWN_CONFIG)
 

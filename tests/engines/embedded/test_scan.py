@@ -1,5 +1,5 @@
 """The recurrent form of both mixers (``RecurrentMixer.scan``) against the per-token loop it
-replaced (``benchmarks/scan.py: reference_scan``): the same outputs, final and captured states bit
+replaced (``tests/oracles/scan.py: reference_scan``): the same outputs, final and captured states bit
 for bit, on ragged batches, float32 and bf16 inputs. The scan is what makes a cache hit reproduce
 a cold recompute exactly in float32 (decode and prefill run the one recurrence), so a faster form
 must not move a single bit."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.scan import make_case, reference_scan
+from tests.oracles.scan import make_case, reference_scan
 
 
 @pytest.mark.parametrize("family", ["mamba2", "gated_deltanet"])
