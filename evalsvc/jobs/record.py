@@ -179,21 +179,8 @@ class JobRecord:
             self.known_failures(run_id, result)
 
     def known_failures(self, run_id: int, result: RunResult) -> None:
-        """The scenarios the store judged to fail as known failures do (``expected``) are
-        expected in ``result`` too, and its verdict with them: what ``evalsvc run`` prints and
-        exits with."""
-        with self.store.session() as s:
-            known = dict(s.execute(select(ScenarioRow.scenario, ScenarioRow.reason).where(
-                ScenarioRow.run_id == run_id, ScenarioRow.verdict == "expected")).all())
-        if not known:
-            return
-        for scen in result.scenarios:
-            if scen.scenario in known:
-                scen.verdict, scen.reason = "expected", known[scen.scenario] or ""
-        if result.verdict in ("pass", "fail"):
-            result.verdict, reason = worst((s.scenario, s.verdict, s.reason)
-                                           for s in result.scenarios)
-            result.reason = reason or ""
+        """``known_failures`` of this job's store."""
+        known_failures(self.store, run_id, result)
 
     def finish(self) -> str:
         """Write the job's end; returns its status (``end_job``: failed when every run errored)."""
@@ -202,6 +189,23 @@ class JobRecord:
         written, _ = self.store.write(lambda s: end_job(s, self.job_id, status, error),
                                       f"job {self.job_id}: its end")
         return written or status
+
+
+def known_failures(store: Store, run_id: int, result: RunResult) -> None:
+    """The scenarios the store judged to fail as known failures do (``expected``) are expected in
+    ``result`` too, and its verdict with them: what ``evalsvc run`` prints and exits with."""
+    with store.session() as s:
+        known = dict(s.execute(select(ScenarioRow.scenario, ScenarioRow.reason).where(
+            ScenarioRow.run_id == run_id, ScenarioRow.verdict == "expected")).all())
+    if not known:
+        return
+    for scen in result.scenarios:
+        if scen.scenario in known:
+            scen.verdict, scen.reason = "expected", known[scen.scenario] or ""
+    if result.verdict in ("pass", "fail"):
+        result.verdict, reason = worst((s.scenario, s.verdict, s.reason)
+                                       for s in result.scenarios)
+        result.reason = reason or ""
 
 
 def describe(exc: BaseException) -> str:
