@@ -119,9 +119,9 @@ def run(
     from evalsvc.engines.base import EngineSpec
     from evalsvc.evaluate import prepare, results_table, run_local
     from evalsvc.jobs import BuildSpec, JobSpec, UnknownConfigs, mint_id
+    from evalsvc.jobs import run as job_run
     from evalsvc.jobs.builds import ReadyBuild
     from evalsvc.jobs.record import end_job, known_failures
-    from evalsvc.jobs.run import RunOptions, run_job
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.settings import Settings
@@ -217,8 +217,8 @@ def run(
                   configs=configs or None, model=model_name, engine_env=engine_env)
     job_id = mint_id("cli", digits=6)
     if dry_run:
-        outcome = run_job(job_id, job, None, None, RunOptions(engine=spec, prompts=prompts,
-                                                              configs=cfgs, dry_run=True))
+        outcome = job_run.run_job(job_id, job, None, None, job_run.RunOptions(
+            engine=spec, prompts=prompts, configs=cfgs, dry_run=True))
         for argv in outcome.commands:
             print(json.dumps(argv))
         return

@@ -33,10 +33,11 @@ from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
 from evalsvc.harness import EnginePool, RunControl, run_config
+from evalsvc.jobs import run as job_run
 from evalsvc.jobs.builds import ReadyBuild
 from evalsvc.jobs.plan import plan_runs
 from evalsvc.jobs.record import PlannedRun
-from evalsvc.jobs.run import JobOutcome, RunOptions, run_job
+from evalsvc.jobs.run import JobOutcome, RunOptions
 from evalsvc.jobs.spec import BuildSpec, JobSpec, mint_id
 from evalsvc.matrix import Config, MatrixFile, make_config
 from evalsvc.paths import inside
@@ -139,7 +140,7 @@ def run_local(job_id: str, job: JobSpec, spec: EngineSpec, configs: list[Config]
 
         dispatcher = LocalDispatcher(1, execute=execute)
         try:
-            outcome = run_job(job_id, job, dispatcher, store, RunOptions(
+            outcome = job_run.run_job(job_id, job, dispatcher, store, RunOptions(
                 engine=spec, log_dir=log_dir, results_dir=results_dir, per_build_logs=False,
                 builds=[build or ReadyBuild(spec, None, None)], prompts=prompts,
                 configs=configs, trigger=trigger, per_model_errors=True, on_result=ended))

@@ -25,9 +25,10 @@ from evalsvc.alerts import collect, deliver
 from evalsvc.builds.engine_envs import python_of
 from evalsvc.counters import Counters
 from evalsvc.engines.base import EngineSpec
+from evalsvc.jobs import run as job_run
 from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.record import cancel_pending, describe, end_job
-from evalsvc.jobs.run import JobCancelled, RunOptions, run_job
+from evalsvc.jobs.run import JobCancelled, RunOptions
 from evalsvc.jobs.spec import BuildSpec, JobCreate, JobSpec, mint_id, validate_job
 from evalsvc.logs import log_context
 from evalsvc.paths import inside
@@ -359,7 +360,7 @@ class JobService:
         if spec.engine == "sglang":  # the environment named when it was submitted
             base = EngineSpec(kind="sglang", python=python_of(self.settings, spec.engine_env),
                               env_name=spec.engine_env)
-        outcome = run_job(job_id, spec, self.dispatcher, self.store, RunOptions(
+        outcome = job_run.run_job(job_id, spec, self.dispatcher, self.store, RunOptions(
             engine=base, log_dir=inside(self.settings.data_dir, "logs", job_id),
             results_dir=self.settings.results_dir(), run_timeout_s=self.settings.run_timeout_s,
             prepare=lambda engine, b: self._prepare_build(engine, b),
