@@ -1,9 +1,10 @@
 """The job service: where the store and the dispatcher meet.
 
 A job is validated (``jobs.spec``) and persisted when it is submitted (``JobService.submit``),
-then executed by the job runner thread in order of priority, then age: its builds are made, its
-configs planned (``jobs.plan``) into pending runs, the runs dispatched to the engine slots, and
-each finished run recorded in a transaction of its own. Whoever waits on a job is woken when the
+then executed by the job runner thread in order of priority, then age (``jobs.run.run_job``, as
+``evalsvc run`` runs its job too): its builds are made, its configs planned (``jobs.plan``) into
+pending runs, the runs dispatched to the engine slots, and each finished run recorded in a
+transaction of its own. Whoever waits on a job is woken when the
 service writes its end (``wait_end``). Everything lives in the database, so a restarted service
 resumes what did not finish: runs already recorded are never repeated, and engines left behind by
 a killed service (their process groups are remembered on the run) are stopped first.
