@@ -12,6 +12,7 @@ from typing import NamedTuple
 from sqlalchemy import case, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from evalsvc.jobs.spec import JobSpec
 from evalsvc.matrix import Config
 from evalsvc.paths import inside
 from evalsvc.store.db import Store
@@ -164,8 +165,10 @@ class JobRecord:
 
     @classmethod
     def start(cls, store: Store, results_dir: Path, job_id: str, trigger: str, ref: BuildRef,
-              matrix: str, configs: list[Config], spec: dict) -> JobRecord:
-        store.write(lambda s: ensure_job(s, job_id, trigger, spec), f"job {job_id}: its start")
+              matrix: str, configs: list[Config], spec: JobSpec | dict) -> JobRecord:
+        """``spec``: the job's, as ``JobSpec.stored()`` stores it (``jobs.spec``)."""
+        stored = spec.stored() if isinstance(spec, JobSpec) else spec
+        store.write(lambda s: ensure_job(s, job_id, trigger, stored), f"job {job_id}: its start")
         planned = plan_build_runs(store, job_id, ref, matrix, configs)
         return cls(store, results_dir, job_id, {p.config.fingerprint: p.run_id for p in planned})
 
