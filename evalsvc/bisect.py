@@ -31,6 +31,7 @@ from sqlalchemy import select
 from evalsvc.builds.build import BuildError, git, git_mirror
 from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService, UnknownConfigs, mint_id, plan_runs
+from evalsvc.jobs.spec import JobSpec, job_spec
 from evalsvc.judging import METRICS, POOLED
 from evalsvc.logs import log_context
 from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
@@ -184,7 +185,7 @@ class Bisector:
                 raise JobError(f"regression_id: no regression {regression_id}")
             bad_commit = reg.first_run.build.commit
             good_run = reg.last_good_run
-            job_spec = reg.first_run.job.spec or {}
+            spec = job_spec(reg.first_run.job)
             if not bad_commit.sha or good_run is None or not good_run.build.commit.sha:
                 raise JobError(f"regression_id: regression {regression_id} has no good and bad "
                                "git commits to bisect between")
@@ -192,8 +193,8 @@ class Bisector:
                     "bad": bad_commit.sha, "matrix": reg.matrix, "config": reg.config,
                     "scenario": reg.scenario, "metric": reg.metric,
                     "patches": [p for p in reg.patch_set.split(",") if p],
-                    "workload": _workload_overrides(job_spec),
-                    "engine_env": job_spec.get("engine_env")}
+                    "workload": _workload_overrides(spec),
+                    "engine_env": spec.engine_env if spec is not None else None}
 
     # ---- running ---------------------------------------------------------------------------
     def start(self, bisect_id: str) -> None:
@@ -280,8 +281,8 @@ class Bisector:
         with self.store.session() as s:
             jobs = s.scalars(select(Job).where(Job.trigger == "bisect",
                                                Job.status.not_in(FINISHED_JOB_STATUSES)).order_by(Job.created_at))
-            return next((j.id for j in jobs if (j.spec or {}).get("bisection") == bisect_id
-                         and j.spec.get("bisection_sha") == sha), None)
+            return next((j.id for j in jobs if (spec := job_spec(j)) is not None
+                         and spec.bisection == bisect_id and spec.bisection_sha == sha), None)
 
     def _stored_run(self, spec: BisectSpec, sha: str) -> int | None:
         patch_set = ",".join(sorted(set(spec.patches)))
@@ -394,8 +395,6 @@ def _resolve(mirror, ref: str, what: str) -> str:
     return proc.stdout.strip()
 
 
-def _workload_overrides(job_spec: dict[str, Any]) -> dict[str, Any] | None:
+def _workload_overrides(spec: JobSpec | None) -> dict[str, Any] | None:
     """The workload a job ran, as overrides of its matrix's, so that the steps measure the same."""
-    matrix = job_spec.get("matrix")
-    workload = matrix.get("workload") if isinstance(matrix, dict) else None
-    return dict(workload) if workload else None
+    return spec.matrix.workload.model_dump(mode="json") if spec is not None else None

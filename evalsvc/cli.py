@@ -117,8 +117,11 @@ def run(
     from evalsvc.builds.build import BuildError
     from evalsvc.children import exit_on_sigterm
     from evalsvc.engines.base import EngineSpec
-    from evalsvc.evaluate import dry_run_commands, evaluate, prepare, results_table
-    from evalsvc.jobs import BuildSpec, UnknownConfigs, mint_id
+    from evalsvc.evaluate import prepare, results_table, run_local
+    from evalsvc.jobs import BuildSpec, JobSpec, UnknownConfigs, mint_id
+    from evalsvc.jobs import run as job_run
+    from evalsvc.jobs.builds import ReadyBuild
+    from evalsvc.jobs.record import end_job, known_failures
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.settings import Settings
@@ -195,6 +198,7 @@ def run(
                           version=installed_version(base.python))
     if sglang_version:  # the operator's release to spell flags for
         spec = replace(spec, version=sglang_version)
+    model_name = model
     if model:  # a model's name (evalsvc models) is its directory
         from evalsvc.model_catalog import named
 
@@ -208,43 +212,59 @@ def run(
     except (WorkloadError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
+    # the job as the service stores it too: the matrix as run (its model and CPU ops applied)
+    job = JobSpec(matrix_name=mat.name, matrix=mat, engine=kind, builds=[wanted],
+                  configs=configs or None, model=model_name, engine_env=engine_env)
+    job_id = mint_id("cli", digits=6)
     if dry_run:
-        for argv in dry_run_commands(cfgs, spec):
+        outcome = job_run.run_job(job_id, job, None, None, job_run.RunOptions(
+            engine=spec, prompts=prompts, configs=cfgs, dry_run=True))
+        for argv in outcome.commands:
             print(json.dumps(argv))
         return
-    job_id = mint_id("cli", digits=6)
     out = out or Path("out") / job_id
-    record = None
+    db = None
     if store:
-        from evalsvc.jobs.record import JobRecord
         from evalsvc.store.db import Store
 
         db = Store(settings.resolved_database_url())
-        record = JobRecord.start(
-            db, settings.results_dir(), job_id, "cli", ready.ref, mat.name, cfgs,
-            spec={"matrix_name": mat.name, "matrix": mat.model_dump(mode="json"),
-                  "engine": kind, "configs": configs or None, "build": ready.ref.ref,
-                  "patches": ready.ref.patches})
+    ended = {"left": len(cfgs), "failures": []}  # what the job's end is written from
+
+    def on_result(planned, result, failure: str | None) -> None:
+        ended["left"] -= 1
+        if failure is not None:
+            ended["failures"].append(failure)
+        elif db is not None:  # the scenarios the store judged known failures: expected
+            known_failures(db, planned.run_id, result)
+
     t0 = time.monotonic()
     job_status = None
     try:
-        results = evaluate(mat, cfgs, prompts, spec, out, console,
-                           on_result=record.record if record else None)
+        outcome = run_local(job_id, job, spec, cfgs, prompts, out, console, store=db,
+                            results_dir=settings.results_dir(),
+                            build=ReadyBuild(spec, ready.ref, None) if ready else None,
+                            trigger="cli", on_result=on_result)
     finally:
-        if record is not None:
-            job_status = record.finish()  # failed when every run errored
+        if db is not None:  # cancelled when it stopped before its runs ended (Ctrl-C)
+            status = ("cancelled" if ended["left"] else "failed" if ended["failures"]
+                      else "done")
+            error = "; ".join(ended["failures"]) or None
+            written, _ = db.write(lambda s: end_job(s, job_id, status, error),
+                                  f"job {job_id}: its end")
+            job_status = written or status  # failed when every run errored
             db.close()
+    results = outcome.results
     console.print(results_table(results, f"{mat.name}: {len(cfgs)} configs, "
                                          f"{time.monotonic() - t0:.0f} s"))
     console.print(f"results: {out}/summary.json, {out}/samples.parquet, logs in {out}/logs")
-    if record is not None:
+    if db is not None:
         patch_set = ready.ref.patch_set
         console.print(f"recorded as job {job_id} ({job_status}) of build {ready.ref.ref}"
                       f"{' +' + patch_set if patch_set else ''} in "
                       f"{settings.resolved_database_url()}")
-    for failure in record.failures if record is not None else []:
+    for failure in outcome.failures:
         console.print(f"not recorded: {failure}", markup=False, style="red")
-    status, errored = run_outcome(results, record.unrecorded if record is not None else set())
+    status, errored = run_outcome(results, outcome.unrecorded)
     if errored:
         console.print(f"[red]{len(errored)} of {len(results)} runs errored[/] (no verdict reached)")
     raise typer.Exit(status)

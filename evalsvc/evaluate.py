@@ -1,8 +1,9 @@
 """A whole matrix on the local machine, one run at a time: what ``evalsvc run`` does.
 
-Loads the matrix and the workload, runs every config through the harness with progress shown,
-and writes ``summary.json`` (a row per config and scenario) and ``samples.parquet`` (a row per
-sample, with token-level logprobs) to the output directory.
+Loads the matrix and the workload, runs every config as a job (``jobs.run.run_job``, the service's
+own phases) on a local dispatcher through the harness with progress shown, and writes
+``summary.json`` (a row per config and scenario) and ``samples.parquet`` (a row per sample, with
+token-level logprobs) to the output directory.
 """
 
 from __future__ import annotations
@@ -15,18 +16,32 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
-from evalsvc.engines.base import EngineSpec, engine_command, launch
+from evalsvc.dispatch.base import RunTask
+from evalsvc.dispatch.local import LocalDispatcher
+from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
-from evalsvc.harness import EnginePool, run_config
+from evalsvc.harness import EnginePool, RunControl, run_config
+from evalsvc.jobs import run as job_run
+from evalsvc.jobs.builds import ReadyBuild
 from evalsvc.jobs.plan import plan_runs
+from evalsvc.jobs.record import PlannedRun
+from evalsvc.jobs.run import JobOutcome, RunOptions
+from evalsvc.jobs.spec import BuildSpec, JobSpec, mint_id
 from evalsvc.matrix import Config, MatrixFile, make_config
 from evalsvc.paths import inside
-from evalsvc.tokenization import tokenized
+from evalsvc.store.db import Store
 from evalsvc.types import RunResult
 from evalsvc.workloads import load_prompts, workload_version
 
@@ -54,59 +69,85 @@ def prepare(matrix: MatrixFile, spec: EngineSpec, model_override: str | None = N
     return plan_runs(matrix, spec, version, configs), prompts
 
 
-def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]:
-    """Each config's command line, behind ``env VAR=VALUE ...`` where its engine gets variables
-    (the matrix's ``engine_env``, the radix-tree core)."""
-    commands = []
-    for c in configs:
-        env = [f"{k}={v}" for k, v in sorted(c.env.items())]
-        commands.append([*(["env", *env] if env else []),
-                         *engine_command(spec, c.args, port=30000)])
-    return commands
-
-
 def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
              console: Console | None = None, engines: EnginePool | None = None,
              on_result: Callable[[Config, RunResult], None] | None = None) -> list[RunResult]:
-    """Every config, one run at a time; ``engines``: engines kept between runs (``EnginePool``);
-    ``on_result(config, result)`` as each run ends (``jobs.record.JobRecord.record``)."""
+    """Every config, one run at a time, nothing stored (``run_local``); ``engines``: engines kept
+    between runs (``EnginePool``); ``on_result(config, result)`` as each run ends
+    (``jobs.record.JobRecord.record``)."""
+    job = JobSpec(matrix_name=matrix.name, matrix=matrix, engine=spec.kind, builds=[BuildSpec()],
+                  configs=[c.name for c in configs] or None)
+    outcome = run_local(mint_id("local", digits=6), job, spec, configs, prompts, out_dir, console,
+                        engines=engines,
+                        on_result=(lambda p, r, _f: on_result(p.config, r)) if on_result else None)
+    return outcome.results
+
+
+def run_local(job_id: str, job: JobSpec, spec: EngineSpec, configs: list[Config], prompts,
+              out_dir: Path, console: Console | None = None, *, engines: EnginePool | None = None,
+              store: Store | None = None, results_dir: Path | None = None,
+              build: ReadyBuild | None = None, trigger: str = "cli",
+              on_result: Callable[[PlannedRun, RunResult, str | None], None] | None = None,
+              ) -> JobOutcome:
+    """A job on this machine (``jobs.run.run_job`` on a local dispatcher of one slot), its
+    ``configs`` planned and its ``prompts`` loaded already on ``spec`` (its one build made:
+    ``build``, what the store records), with progress shown on ``console``; a matrix's reference
+    servers (``References``) started as its runs need them, ``engines`` kept between runs. With a
+    ``store`` the job is recorded as it runs (the job's end is its caller's to write); without,
+    nothing is. Writes ``summary.json``, ``runs.json`` and ``samples.parquet`` to ``out_dir`` and
+    the logs to ``out_dir/logs``. An exception (Ctrl-C) stops the run going on, then is raised."""
     console = console or Console()
-    bad_models: dict[str, str] = {}
-    by_model = tokenized(matrix, spec, prompts, errors=bad_models)
+    matrix = job.matrix
     log_dir = out_dir / "logs"
-    results: list[RunResult] = []
+    by_name = {c.name: c for c in configs}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with References(matrix, spec, log_dir) as references, \
             Progress(*columns, console=console, transient=False) as progress:
         overall = progress.add_task(f"matrix {matrix.name}", total=len(configs))
-        for cfg in configs:
-            task = progress.add_task(f"  {cfg.name}", total=len(cfg.scenarios))
+        bars: dict[str, TaskID] = {}
 
-            def on_scenario(_cfg, scen, task=task):
-                progress.update(task, advance=1,
+        def bar(cfg: Config) -> TaskID:
+            if cfg.name not in bars:
+                bars[cfg.name] = progress.add_task(f"  {cfg.name}", total=len(cfg.scenarios))
+            return bars[cfg.name]
+
+        def execute(task: RunTask, control: RunControl) -> RunResult:
+            cfg = by_name[task.config["name"]]
+            shown = bar(cfg)
+
+            def on_scenario(_cfg, scen) -> None:
+                progress.update(shown, advance=1,
                                 description=f"  {_cfg.name}: {scen.scenario} {scen.verdict}")
 
-            if cfg.model in bad_models:  # this config fails; the other models' configs still run
-                result = cfg.unrun("error", bad_models[cfg.model])
-            else:
-                try:
-                    reference = references.client(cfg.model)
-                except EngineStartError as exc:
-                    result = cfg.unrun("error", f"reference server did not start: {exc}")
-                else:
-                    result = run_config(cfg, matrix, spec, by_model[cfg.model], log_dir=log_dir,
-                                        reference=reference, on_scenario=on_scenario,
-                                        engines=engines)
-                    result.reference = references.describe(cfg.model)
-            progress.update(task, completed=len(cfg.scenarios),
+            try:
+                reference = references.client(cfg.model)
+            except EngineStartError as exc:
+                return cfg.unrun("error", f"reference server did not start: {exc}")
+            result = run_config(cfg, matrix, spec, task.prompts, log_dir=Path(task.log_dir),
+                                reference=reference, on_scenario=on_scenario, control=control,
+                                run_timeout_s=task.run_timeout_s, engines=engines)
+            result.reference = references.describe(cfg.model)
+            return result
+
+        def ended(planned: PlannedRun, result: RunResult, failure: str | None) -> None:
+            cfg = planned.config
+            progress.update(bar(cfg), completed=len(cfg.scenarios),
                             description=f"  {cfg.name}: {result.verdict}")
             progress.advance(overall)
-            results.append(result)
             if on_result is not None:
-                on_result(cfg, result)
-    write_outputs(results, out_dir)
-    return results
+                on_result(planned, result, failure)
+
+        dispatcher = LocalDispatcher(1, execute=execute)
+        try:
+            outcome = job_run.run_job(job_id, job, dispatcher, store, RunOptions(
+                engine=spec, log_dir=log_dir, results_dir=results_dir, per_build_logs=False,
+                builds=[build or ReadyBuild(spec, None, None)], prompts=prompts,
+                configs=configs, trigger=trigger, per_model_errors=True, on_result=ended))
+        finally:
+            dispatcher.shutdown()  # after a Ctrl-C: its run stopped (the job cancels it)
+    write_outputs(outcome.results, out_dir)
+    return outcome
 
 
 class References:

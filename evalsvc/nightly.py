@@ -26,6 +26,7 @@ from sqlalchemy import select
 
 from evalsvc import children
 from evalsvc.jobs import BuildSpec, JobCreate, JobService
+from evalsvc.jobs.spec import stored_spec
 from evalsvc.paths import config_file
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
@@ -147,7 +148,9 @@ def newest_release(package: str) -> str:
 def evaluated(store: Store, key: str) -> bool:
     with store.session() as s:
         for spec, status in s.execute(select(Job.spec, Job.status).where(Job.trigger == "nightly")):
-            if spec.get("nightly_key") == key and status not in ("failed", "cancelled"):
+            typed = stored_spec(spec)
+            if typed is not None and typed.nightly_key == key and status not in ("failed",
+                                                                                 "cancelled"):
                 return True
     return False
 

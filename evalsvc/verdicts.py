@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
@@ -262,15 +261,17 @@ def stored_extend(run: Run, scenario: str) -> PositionKL | None:
     return kl_by_position(ext.k3, ext.lengths)
 
 
+def run_job_spec(run: Run):
+    """The spec of a run's job (``jobs.spec.JobSpec``); None when its spec is none."""
+    from evalsvc.jobs.spec import job_spec  # the jobs package records runs with this module
+
+    return job_spec(run.job)
+
+
 def run_matrix(run: Run) -> MatrixFile | None:
     """The matrix of a run's job, from its spec; None when the spec has none it can read."""
-    raw = (run.job.spec or {}).get("matrix")
-    if not isinstance(raw, dict):
-        return None
-    try:
-        return MatrixFile.model_validate(raw)
-    except ValidationError:
-        return None
+    spec = run_job_spec(run)
+    return spec.matrix if spec is not None else None
 
 
 def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile,
@@ -283,7 +284,8 @@ def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile,
                     args=run.requested_args or {}, fingerprint=run.fingerprint, scenarios=(),
                     accept_floor=(matrix.accept_floor(run.model, settings)
                                   if matrix is not None else None))
-    return scenario_limits(config, matrix, scenario, engine=(run.job.spec or {}).get("engine"),
+    spec = run_job_spec(run)
+    return scenario_limits(config, matrix, scenario, engine=spec.engine if spec else None,
                            thresholds=thresholds)
 
 
@@ -422,7 +424,8 @@ def judge_and_track(session: Session, run_id: int) -> list[Verdict]:
     spec, as nightly jobs do), open and close its series' regressions (``track``)."""
     verdicts = judge_run(session, run_id)
     run = session.get(Run, run_id)
-    if (run.job.spec or {}).get("track"):
+    spec = run_job_spec(run)
+    if spec is not None and spec.track:
         track(session, run, verdicts)
     return verdicts
 

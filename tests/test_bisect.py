@@ -185,9 +185,9 @@ def test_a_known_failure_is_bad_for_its_own_bisection_and_good_for_a_worse_one(t
     from evalsvc.bisect import BisectSpec
     from evalsvc.store.models import Regression, Run, ScenarioRow, Verdict
     from evalsvc.store.record import record_results
-    from tests.store.factories import build_ref, run_result
+    from tests.store.factories import build_ref, job_spec, run_result
 
-    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded"}
+    spec = job_spec(engine="embedded")
     [run_id] = record_results(bisector.store, job_id="step", trigger="bisect", spec=spec,
                               build=build_ref("c1"), matrix="smoke",
                               results=[run_result("mamba2-eb-ov-c64", {"prefill_hit": [0.05] * 4})],

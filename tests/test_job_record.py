@@ -19,7 +19,7 @@ from evalsvc.store.models import Job, Run, Verdict
 from evalsvc.store.record import BuildRef, ensure_job
 from evalsvc.types import RunResult
 from evalsvc.verdicts import triage_regression
-from tests.store.factories import fingerprint_of, run_result
+from tests.store.factories import fingerprint_of, job_spec, run_result
 
 pytestmark = pytest.mark.usefixtures("engines")
 
@@ -34,7 +34,7 @@ def start(store: Store, tmp_path, job_id: str, names: list[str], track: bool = F
     ref = BuildRef("sgl-project/sglang", sha="abc123", committed_at=datetime(2026, 3, 1, tzinfo=UTC))
     return JobRecord.start(store, tmp_path / "results", job_id, "cli", ref, "smoke",
                            [config(n) for n in names],
-                           spec={"matrix_name": "smoke", "engine": "sglang", "track": track})
+                           spec=job_spec(engine="sglang", track=track))
 
 
 def runs(store: Store, job_id: str) -> dict[str, Run]:
@@ -96,7 +96,7 @@ def test_a_known_failure_is_expected_in_what_evalsvc_run_prints(db_url, engines,
     assert result.verdict == "fail"
     ref = BuildRef("sgl-project/sglang", sha="def456", committed_at=datetime(2026, 3, 2, tzinfo=UTC))
     record = JobRecord.start(store, tmp_path / "results", "cli-b", "cli", ref, "smoke",
-                             [config("m-eb")], spec={"matrix_name": "smoke", "engine": "sglang"})
+                             [config("m-eb")], spec=job_spec(engine="sglang"))
     record.record(config("m-eb"), result)
     assert [(x.scenario, x.verdict) for x in result.scenarios] == [("cold", "pass"),
                                                                   ("prefill_hit", "expected")]
@@ -127,7 +127,7 @@ def test_the_store_ends_a_job_whose_cancel_it_holds_cancelled(db_url, engines):
     engines.append(store.engine)
     with store.session() as s:
         for job_id in ("api-asked", "api-not-asked"):
-            ensure_job(s, job_id, "api", {"matrix_name": "smoke"}, status="running")
+            ensure_job(s, job_id, "api", job_spec(), status="running")
         s.get(Job, "api-asked").cancel_requested_at = datetime.now(UTC)
     with store.session() as s:
         assert end_job(s, "api-asked", "failed", "run 1: broke") == ("cancelled", None)

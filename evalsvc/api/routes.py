@@ -14,6 +14,7 @@ from evalsvc import model_catalog, verdicts
 from evalsvc.bisect import BisectCreate
 from evalsvc.builds import engine_envs
 from evalsvc.jobs import JobCreate, JobError
+from evalsvc.jobs.spec import job_spec, stored_spec
 from evalsvc.matrix import MatrixError, expand, load_matrix, matrix_files, resolve_matrix_path
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression
@@ -72,7 +73,8 @@ class GoldenCreate(BaseModel):
 
 def _public(job: Job, runs_errored: int = 0, shown: Shown = lambda text: text) -> JobPublic:
     return JobPublic(id=job.id, trigger=job.trigger, status=job.status, priority=job.priority,
-                     matrix=job.spec.get("matrix_name", ""), created_at=job.created_at,
+                     matrix=spec.matrix_name if (spec := job_spec(job)) else "",
+                     created_at=job.created_at,
                      started_at=job.started_at, finished_at=job.finished_at,
                      error=shown(job.error), runs_errored=runs_errored)
 
@@ -112,7 +114,8 @@ def read_job(job_id: JobId, session: SessionDep, shown: ShownDep) -> JobDetail:
     comparison = None
     if len(builds) == 2 and job["status"] == "done":
         comparison = compare_builds(session, builds[0], builds[1])
-    return JobDetail(**job, matrix=job["spec"].get("matrix_name", ""),
+    spec = stored_spec(job["spec"])
+    return JobDetail(**job, matrix=spec.matrix_name if spec is not None else "",
                      runs=[RunProgress(**r) for r in runs],
                      progress=dict(Counter(r["status"] for r in runs)), comparison=comparison)
 

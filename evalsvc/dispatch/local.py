@@ -14,11 +14,15 @@ from evalsvc.types import RunResult
 
 
 class LocalDispatcher:
-    """``slots`` runs at once; SGLang builds made and found in ``builds_dir``."""
+    """``slots`` runs at once; SGLang builds made and found in ``builds_dir``. ``execute``: how a
+    slot runs a task (default: ``dispatch.base.execute``; ``evalsvc run`` runs its own, with its
+    reference servers, kept engines and progress)."""
 
-    def __init__(self, slots: int = 1, builds_dir: Path | None = None) -> None:
+    def __init__(self, slots: int = 1, builds_dir: Path | None = None,
+                 execute: Callable[[RunTask, RunControl], RunResult] | None = None) -> None:
         self.slots = slots
         self.builds_dir = builds_dir
+        self._execute = execute
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="engine-slot")
         self._controls: dict[int, tuple[str, RunControl]] = {}
         self._lock = threading.Lock()
@@ -37,6 +41,8 @@ class LocalDispatcher:
                 return task.outcome("cancelled", "the job was cancelled")
             if on_start is not None:
                 on_start()
+            if self._execute is not None:
+                return self._execute(task, control)
             return execute(task, control, builds_dir=self.builds_dir)
         finally:
             with self._lock:

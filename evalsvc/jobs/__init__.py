@@ -1,5 +1,5 @@
-"""Jobs: a job's contract (``spec``), what it runs (``plan``) and the service that queues and runs
-it (``service``)."""
+"""Jobs: a job's contract (``spec``), what it runs (``plan``), its phases (``run``: the service's
+and ``evalsvc run``'s) and the service that queues and runs it (``service``)."""
 
 from evalsvc.jobs.plan import UnknownConfigs, plan_runs
 from evalsvc.jobs.record import describe

@@ -12,6 +12,7 @@ from typing import NamedTuple
 from sqlalchemy import case, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from evalsvc.jobs.spec import JobSpec
 from evalsvc.matrix import Config
 from evalsvc.paths import inside
 from evalsvc.store.db import Store
@@ -164,8 +165,10 @@ class JobRecord:
 
     @classmethod
     def start(cls, store: Store, results_dir: Path, job_id: str, trigger: str, ref: BuildRef,
-              matrix: str, configs: list[Config], spec: dict) -> JobRecord:
-        store.write(lambda s: ensure_job(s, job_id, trigger, spec), f"job {job_id}: its start")
+              matrix: str, configs: list[Config], spec: JobSpec | dict) -> JobRecord:
+        """``spec``: the job's, as ``JobSpec.stored()`` stores it (``jobs.spec``)."""
+        stored = spec.stored() if isinstance(spec, JobSpec) else spec
+        store.write(lambda s: ensure_job(s, job_id, trigger, stored), f"job {job_id}: its start")
         planned = plan_build_runs(store, job_id, ref, matrix, configs)
         return cls(store, results_dir, job_id, {p.config.fingerprint: p.run_id for p in planned})
 
@@ -179,21 +182,8 @@ class JobRecord:
             self.known_failures(run_id, result)
 
     def known_failures(self, run_id: int, result: RunResult) -> None:
-        """The scenarios the store judged to fail as known failures do (``expected``) are
-        expected in ``result`` too, and its verdict with them: what ``evalsvc run`` prints and
-        exits with."""
-        with self.store.session() as s:
-            known = dict(s.execute(select(ScenarioRow.scenario, ScenarioRow.reason).where(
-                ScenarioRow.run_id == run_id, ScenarioRow.verdict == "expected")).all())
-        if not known:
-            return
-        for scen in result.scenarios:
-            if scen.scenario in known:
-                scen.verdict, scen.reason = "expected", known[scen.scenario] or ""
-        if result.verdict in ("pass", "fail"):
-            result.verdict, reason = worst((s.scenario, s.verdict, s.reason)
-                                           for s in result.scenarios)
-            result.reason = reason or ""
+        """``known_failures`` of this job's store."""
+        known_failures(self.store, run_id, result)
 
     def finish(self) -> str:
         """Write the job's end; returns its status (``end_job``: failed when every run errored)."""
@@ -202,6 +192,23 @@ class JobRecord:
         written, _ = self.store.write(lambda s: end_job(s, self.job_id, status, error),
                                       f"job {self.job_id}: its end")
         return written or status
+
+
+def known_failures(store: Store, run_id: int, result: RunResult) -> None:
+    """The scenarios the store judged to fail as known failures do (``expected``) are expected in
+    ``result`` too, and its verdict with them: what ``evalsvc run`` prints and exits with."""
+    with store.session() as s:
+        known = dict(s.execute(select(ScenarioRow.scenario, ScenarioRow.reason).where(
+            ScenarioRow.run_id == run_id, ScenarioRow.verdict == "expected")).all())
+    if not known:
+        return
+    for scen in result.scenarios:
+        if scen.scenario in known:
+            scen.verdict, scen.reason = "expected", known[scen.scenario] or ""
+    if result.verdict in ("pass", "fail"):
+        result.verdict, reason = worst((s.scenario, s.verdict, s.reason)
+                                       for s in result.scenarios)
+        result.reason = reason or ""
 
 
 def describe(exc: BaseException) -> str:

@@ -1,9 +1,10 @@
 """The job service: where the store and the dispatcher meet.
 
 A job is validated (``jobs.spec``) and persisted when it is submitted (``JobService.submit``),
-then executed by the job runner thread in order of priority, then age: its builds are made, its
-configs planned (``jobs.plan``) into pending runs, the runs dispatched to the engine slots, and
-each finished run recorded in a transaction of its own. Whoever waits on a job is woken when the
+then executed by the job runner thread in order of priority, then age (``jobs.run.run_job``, as
+``evalsvc run`` runs its job too): its builds are made, its configs planned (``jobs.plan``) into
+pending runs, the runs dispatched to the engine slots, and each finished run recorded in a
+transaction of its own. Whoever waits on a job is woken when the
 service writes its end (``wait_end``). Everything lives in the database, so a restarted service
 resumes what did not finish: runs already recorded are never repeated, and engines left behind by
 a killed service (their process groups are remembered on the run) are stopped first.
@@ -16,7 +17,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +25,11 @@ from sqlalchemy import func, select, update
 from evalsvc.alerts import collect, deliver
 from evalsvc.builds.engine_envs import python_of
 from evalsvc.counters import Counters
-from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
+from evalsvc.jobs import run as job_run
 from evalsvc.jobs.builds import ReadyBuild, ready_build
-from evalsvc.jobs.plan import plan_runs
-from evalsvc.jobs.record import (
-    cancel_pending,
-    describe,
-    end_job,
-    fail_run,
-    plan_build_runs,
-    record_result,
-)
+from evalsvc.jobs.record import cancel_pending, describe, end_job
+from evalsvc.jobs.run import JobCancelled, RunOptions
 from evalsvc.jobs.spec import BuildSpec, JobCreate, JobSpec, mint_id, validate_job
 from evalsvc.logs import log_context
 from evalsvc.paths import inside
@@ -47,7 +40,6 @@ from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
 from evalsvc.store.models import Job, Run, utcnow
 from evalsvc.store.record import ensure_job
-from evalsvc.tokenization import tokenized
 
 log = logging.getLogger("evalsvc.jobs")
 
@@ -85,8 +77,8 @@ class JobService:
             ensure_job(s, job_id, trigger, stored, priority=body.priority, status="queued")
             if actor is not None:
                 audit.record(s, actor, "submit", "job", job_id, details={
-                    "matrix": stored["matrix_name"], "configs": stored["configs"],
-                    "builds": stored["builds"], "track": stored["track"]})
+                    "matrix": spec.matrix_name, "configs": spec.configs,
+                    "builds": stored["builds"], "track": spec.track})
         log.info("job %s queued (%s, %d build(s))", job_id, spec.matrix_name, len(spec.builds))
         self._wake.set()
         return job_id
@@ -282,7 +274,7 @@ class JobService:
         with log_context(job=job_id):
             try:
                 status, error = self._execute(job_id)
-            except _Cancelled:
+            except JobCancelled:
                 status, error = "cancelled", None
             except Exception as exc:
                 log.exception("job %s failed", job_id)
@@ -358,80 +350,25 @@ class JobService:
         except Exception:
             log.exception("job %s: its attempt could not be given back", job_id)
 
-    def _check_cancelled(self, job_id: str) -> None:
-        if self._is_cancelled(job_id):
-            raise _Cancelled(job_id)
-
     def _execute(self, job_id: str) -> tuple[str, str | None]:
-        """Run a job's phases (workload, tokens, builds, plan, runs); the cancel flag is looked at
-        between them and in their loops (_Cancelled)."""
+        """Run a job's phases (``jobs.run.run_job``: workload, tokens, builds, plan, runs, record)
+        on the service's dispatcher; the cancel flag is looked at between them and in their
+        loops (JobCancelled)."""
         with self.store.session() as s:
             stored = s.get(Job, job_id).spec
         spec = JobSpec.model_validate(stored)  # the matrix made once, and its JSON sent as is
-        matrix = spec.matrix
-        from evalsvc.workloads import load_prompts, workload_version
-
-        self._check_cancelled(job_id)
-        prompts = load_prompts(matrix.workload)
-        version = workload_version(matrix.workload, prompts)
         base = EngineSpec(kind=spec.engine)
         if spec.engine == "sglang":  # the environment named when it was submitted
             base = EngineSpec(kind="sglang", python=python_of(self.settings, spec.engine_env),
                               env_name=spec.engine_env)
-        self._check_cancelled(job_id)
-        by_model = tokenized(matrix, base, prompts)
-        log_dir = inside(self.settings.data_dir, "logs", job_id)
-        tasks: list[tuple[int, RunTask]] = []
-        for b in spec.builds:
-            self._check_cancelled(job_id)
-            engine, ref, request = self._prepare_build(base, b)
-            self._check_cancelled(job_id)
-            # validated when submitted: a config its build's release excludes is left out
-            configs = plan_runs(matrix, engine, version, spec.configs, strict=False)
-            planned = plan_build_runs(self.store, job_id, ref, matrix.name, configs,
-                                      check=lambda: self._check_cancelled(job_id))
-            tasks += [(p.run_id, RunTask.make(
-                job_id, p.run_id, matrix, p.config, engine, by_model[p.config.model],
-                inside(log_dir, f"build-{p.build_id}"), build=request,
-                run_timeout_s=self.settings.run_timeout_s, matrix_json=stored["matrix"]))
-                for p in planned if p.status == "pending"]
-        futures: list[tuple[int, Future]] = []
-        try:
-            for run_id, task in tasks:
-                if self._is_cancelled(job_id):
-                    break
-                futures.append((run_id, self.dispatcher.submit(
-                    task, on_start=lambda rid=run_id: self._run_started(rid),
-                    on_engine=lambda pid, rid=run_id: self._engine_up(rid, pid))))
-            if self._is_cancelled(job_id):  # a cancel that came while its runs were handed over
-                self.dispatcher.cancel_job(job_id)
-            failures = []
-            for run_id, fut in futures:
-                try:
-                    result = fut.result()
-                except CancelledError:  # never started: the service is shutting down
-                    continue
-                except Exception as exc:  # e.g. its start could not be written
-                    log.exception("run %d failed", run_id)
-                    failures.append(self._fail_run(run_id, describe(exc)))
-                    continue
-                if self._stop.is_set() and result.verdict == "cancelled":
-                    with self.store.session() as s:  # shutting down: run again after the restart
-                        s.get(Run, run_id).status = "pending"
-                    continue
-                failure = self._record(job_id, run_id, result)
-                if failure:
-                    failures.append(failure)
-        except BaseException:
-            self.dispatcher.cancel_job(job_id)  # no run of it goes on without the job
-            raise
-        if self._stop.is_set() and not self._is_cancelled(job_id):
-            return "interrupted", None  # left running: it resumes after the restart
-        if self._is_cancelled(job_id):
-            return "cancelled", None
-        if failures:
-            return "failed", "; ".join(failures)
-        return "done", None
+        outcome = job_run.run_job(job_id, spec, self.dispatcher, self.store, RunOptions(
+            engine=base, log_dir=inside(self.settings.data_dir, "logs", job_id),
+            results_dir=self.settings.results_dir(), run_timeout_s=self.settings.run_timeout_s,
+            prepare=lambda engine, b: self._prepare_build(engine, b),
+            matrix_json=stored["matrix"],
+            cancelled=lambda: self._is_cancelled(job_id), stopping=self._stop.is_set,
+            on_start=self._run_started, on_engine=self._engine_up, on_result=self._recorded))
+        return outcome.status, outcome.error
 
     def _prepare_build(self, base: EngineSpec, b: BuildSpec | dict[str, Any]) -> ReadyBuild:
         """A build of the job made ready (``jobs.builds.ready_build``); an SGLang build is made by
@@ -451,16 +388,10 @@ class JobService:
 
         self.store.write(engine_up, f"run {run_id}: its engine's pid")
 
-    def _record(self, job_id: str, run_id: int, result) -> str | None:
-        """Record a finished run and its verdicts (``jobs.record.record_result``); returns the
-        run's error when it could not be, None when recorded."""
-        failure = record_result(self.store, self.settings.results_dir(), job_id, run_id, result)
+    def _recorded(self, planned, result, failure: str | None) -> None:
+        """A run of a job recorded (``failure`` None) or failed: the counters."""
         if failure is None:
             self.counters.run_finished(result.seconds)
-        return failure
-
-    def _fail_run(self, run_id: int, reason: str) -> str:
-        return fail_run(self.store, run_id, reason)
 
     def _alert(self, job_id: str) -> None:
         try:
@@ -481,10 +412,6 @@ class JobService:
 
     def _count(self, status: str) -> None:
         self.counters.outcomes[status] = self.counters.outcomes.get(status, 0) + 1
-
-
-class _Cancelled(Exception):
-    """Raised in a job's phases once its cancel was asked."""
 
 
 def kill_engine_group(pid: int) -> None:

@@ -199,6 +199,30 @@ class JobSpec(BaseModel):
             if getattr(self, k) is None})
 
 
+def stored_spec(spec: dict[str, Any] | None) -> JobSpec | None:
+    """A job's spec as the store holds it (``Job.spec``), typed; None for one that is no
+    ``JobSpec`` (a row of a shape the store's migration 0010 could not convert: its matrix named
+    only, and no longer there)."""
+    if not spec:
+        return None
+    try:
+        return JobSpec.model_validate(spec)
+    except ValidationError:
+        return None
+
+
+def job_spec(job: Any) -> JobSpec | None:
+    """``stored_spec`` of a ``store.models.Job``, read once per the spec it holds (its readers
+    may look at it for each run and scenario of the job)."""
+    spec = job.spec
+    cached = job.__dict__.get("_job_spec")
+    if cached is not None and cached[0] is spec:
+        return cached[1]
+    typed = stored_spec(spec)
+    job.__dict__["_job_spec"] = (spec, typed)
+    return typed
+
+
 def validate_job(body: JobCreate, settings: Settings, trusted: bool = False) -> JobSpec:
     """Validate a job against matrices, models, patches, allowed sources and the limits on
     what one job may expand to; JobError if not."""

@@ -130,7 +130,7 @@ def test_jobs_count_their_errored_runs(client, tmp_path):
     from evalsvc.matrix import Config
     from evalsvc.store.record import BuildRef
     from evalsvc.types import RunResult
-    from tests.store.factories import fingerprint_of, run_result
+    from tests.store.factories import fingerprint_of, job_spec, run_result
 
     def config(name: str) -> Config:
         return Config(name=name, matrix="smoke", model="mamba2", settings={}, args={},
@@ -145,7 +145,7 @@ def test_jobs_count_their_errored_runs(client, tmp_path):
     try:
         for job_id, names in (("cli-some", ["m-eb", "m-nb"]), ("cli-all", ["m-eb"])):
             record = JobRecord.start(store, tmp_path / "results", job_id, "cli", ref, "smoke",
-                                     [config(n) for n in names], spec={"matrix_name": "smoke"})
+                                     [config(n) for n in names], spec=job_spec())
             record.record(config("m-eb"), errored("m-eb"))
             if "m-nb" in names:
                 record.record(config("m-nb"), run_result("m-nb", {"cold": [1e-13] * 3}))

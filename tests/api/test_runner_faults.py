@@ -101,7 +101,7 @@ def wait_job(store: Store, job_id: str, timeout: float = 120,
 
 # ---- cancel ---------------------------------------------------------------------------------
 # the functions of a job's phases, by where the runner finds them
-TRACED = {"load_prompts": evalsvc.workloads, "tokenized": evalsvc.jobs.service,
+TRACED = {"load_prompts": evalsvc.workloads, "tokenized": evalsvc.jobs.run,
           "_prepare_build": JobService, "expand": evalsvc.jobs.plan,
           "plan_run": evalsvc.jobs.record}
 
@@ -279,7 +279,8 @@ def test_recovery_leaves_jobs_evalsvc_run_records_alone(tmp_path, runner):
     try:
         with store.session() as s:
             ensure_job(s, "cli-recording", "cli", {"matrix_name": "fake", "matrix": MATRIX,
-                                                   "engine": "sglang", "configs": None})
+                                                   "engine": "sglang", "builds": [{}],
+                                                   "configs": None})
     finally:
         store.close()
     jobs = runner()

@@ -26,6 +26,7 @@ from tests.store.factories import (
     BASE_TIME,
     build_ref,
     fingerprint_of,
+    job_spec,
     record,
     run_result,
     sglang_build_ref,
@@ -385,8 +386,7 @@ def test_a_known_failure_triaged_with_its_link_shows_as_expected_on_the_pages(tm
 
     link = "https://github.com/sgl-project/sglang/pull/29068"
     store = Store(db_url)
-    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded",
-            "track": True}
+    spec = job_spec(engine="embedded", track=True)
 
     def nightly(i: int) -> int:
         [run_id] = record_results(

@@ -10,7 +10,7 @@ from evalsvc.jobs.record import JobRecord
 from evalsvc.matrix import load_matrix
 from evalsvc.store.db import Store
 from evalsvc.store.record import BuildRef
-from tests.store.factories import run_result
+from tests.store.factories import job_spec, run_result
 from tests.test_job_record import config
 
 
@@ -26,7 +26,7 @@ def test_the_limit_line_follows_the_jobs_engine_and_matrix(db_url, engines, tmp_
         "own-limit": {"matrix": {**smoke, "thresholds": {"kl_k3_mean": 2e-3}}, "engine": "sglang"},
     }.items():
         record = JobRecord.start(store, tmp_path / "results", job_id, "cli", ref, "smoke",
-                                 [config("m-eb")], spec={"matrix_name": "smoke", **spec})
+                                 [config("m-eb")], spec=job_spec(**spec))
         record.record(config("m-eb"), run_result("m-eb", {"cold": [1e-9] * 2}))
         record.finish()
         with store.session() as s:

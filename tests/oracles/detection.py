@@ -19,6 +19,7 @@ from evalsvc.engines.base import EngineSpec
 from evalsvc.evaluate import evaluate, prepare
 from evalsvc.harness import EnginePool
 from evalsvc.jobs.record import JobRecord
+from evalsvc.jobs.spec import BuildSpec, JobSpec
 from evalsvc.matrix import MatrixFile, load_matrix
 from evalsvc.store.db import Store
 from evalsvc.store.models import Metric, Regression, Run, Verdict
@@ -94,9 +95,9 @@ def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | Non
     record = JobRecord.start(
         store, work / "results", f"{label}-{seed}", "cli",
         BuildRef(f"bench/{spec.kind}", version=label, committed_at=START + timedelta(days=day)),
-        matrix.name, cfgs, spec={"matrix_name": matrix.name,
-                                 "matrix": matrix.model_dump(mode="json"),
-                                 "engine": spec.kind, "track": track})
+        matrix.name, cfgs, spec=JobSpec(matrix_name=matrix.name, matrix=matrix,
+                                        engine=spec.kind, builds=[BuildSpec()],
+                                        track=track).stored())
     try:
         evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True), engines=engines,
                  on_result=record.record)

@@ -34,6 +34,17 @@ TOKENS = 4
 BASE_TIME = datetime(2026, 3, 1, tzinfo=UTC)
 
 
+def job_spec(matrix: str | dict[str, Any] = "smoke", **fields: Any) -> dict[str, Any]:
+    """A job's spec as the store holds it (``JobSpec.stored()``): the matrix by its name or as
+    data, one build as installed, the engine the matrix's unless given, and ``fields``."""
+    from evalsvc.jobs.spec import BuildSpec, JobSpec
+    from evalsvc.matrix import MatrixFile, load_matrix
+
+    m = load_matrix(matrix) if isinstance(matrix, str) else MatrixFile.model_validate(matrix)
+    return JobSpec(matrix_name=m.name, matrix=m, engine=fields.pop("engine", m.engine),
+                   builds=[BuildSpec()], **fields).stored()
+
+
 def fingerprint_of(config: str) -> str:
     return hashlib.sha256(config.encode()).hexdigest()[:16]
 

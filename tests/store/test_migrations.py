@@ -40,7 +40,7 @@ def test_upgrade_to_head_and_downgrade_to_base(db_url, engines):
     assert current(db_url) is None
     assert tables(db_url, engines) == set()
     upgrade(db_url)
-    assert current(db_url) == head(db_url) == "0008"
+    assert current(db_url) == head(db_url) == "0010"
     assert tables(db_url, engines) == MODEL_TABLES
     upgrade(db_url)  # at head already: nothing to do
     assert current(db_url) == head(db_url)
@@ -214,3 +214,62 @@ def test_0008_adds_the_revoked_sessions_and_keeps_what_was_stored(db_url, engine
     assert "revoked_sessions" not in tables(db_url, engines)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT id FROM jobs")).scalars().all() == ["old"]
+
+
+def test_0010_gives_the_jobs_of_evalsvc_run_the_job_spec_shape(db_url, engines):
+    """A store at 0008 with jobs of ``evalsvc run`` in its old shapes (the matrix as run, and by
+    its name only) and a job of the service: after 0010 every spec validates as a JobSpec, the
+    CLI's hold what they held (their patches their build's), the service's is as it was, and
+    nothing else of the jobs changed; down again, they stay."""
+    import json
+
+    from evalsvc.jobs.spec import JobSpec
+    from evalsvc.matrix import load_matrix
+
+    smoke = load_matrix("smoke").model_dump(mode="json")
+    old_cli = {"matrix_name": "smoke", "matrix": smoke, "engine": "embedded",
+               "configs": ["mamba2-eb-ov-c64"], "build": "evalsvc/embedded@0.1",
+               "patches": ["defect:host-load-race"]}
+    oldest_cli = {"matrix": "smoke", "engine": "embedded", "configs": None,
+                  "build": "evalsvc/embedded@0.1", "patches": []}
+    service = JobSpec.model_validate({"matrix_name": "smoke", "matrix": smoke,
+                                      "engine": "embedded", "builds": [{}]}).stored()
+    upgrade(db_url, "0008")
+    engine = make_engine(db_url)
+    engines.append(engine)
+    columns = "id, trigger, status, priority, created_at, started_at, finished_at, error, attempts"
+    with engine.begin() as conn:
+        for job_id, trigger, spec in (("cli-old", "cli", old_cli), ("cli-oldest", "cli", oldest_cli),
+                                      ("api-1", "api", service)):
+            conn.execute(text("INSERT INTO jobs (id, trigger, status, priority, spec, created_at, "
+                              "started_at, finished_at, error, attempts) VALUES (:id, :trigger, "
+                              "'done', 3, :spec, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, "
+                              "CURRENT_TIMESTAMP, 'an error', 1)"),
+                         {"id": job_id, "trigger": trigger, "spec": json.dumps(spec)})
+        before = conn.execute(text(f"SELECT {columns} FROM jobs ORDER BY id")).all()
+    upgrade(db_url)
+    assert current(db_url) == "0010"
+
+    def specs() -> dict[str, dict]:
+        with engine.connect() as conn:
+            return {job_id: json.loads(spec) if isinstance(spec, str) else spec for job_id, spec
+                    in conn.execute(text("SELECT id, spec FROM jobs"))}
+
+    after = specs()
+    jobs = {job_id: JobSpec.model_validate(spec) for job_id, spec in after.items()}
+    assert after["api-1"] == service
+    old = jobs["cli-old"]
+    assert (old.matrix_name, old.engine, old.configs) == ("smoke", "embedded", ["mamba2-eb-ov-c64"])
+    assert old.matrix.model_dump(mode="json") == smoke
+    assert [b.model_dump() for b in old.builds] == [{"source": None,
+                                                    "patches": ["defect:host-load-race"]}]
+    assert (old.model, old.track) == (None, False)
+    assert after["cli-old"] == old.stored()
+    oldest = jobs["cli-oldest"]
+    assert (oldest.matrix_name, oldest.matrix.name, oldest.configs) == ("smoke", "smoke", None)
+    assert [b.model_dump() for b in oldest.builds] == [{"source": None, "patches": []}]
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT {columns} FROM jobs ORDER BY id")).all() == before
+    downgrade(db_url, "0008")  # a no-op: the specs keep the new shape
+    assert specs() == after
+    engine.dispose()

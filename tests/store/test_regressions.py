@@ -13,13 +13,12 @@ from evalsvc.alerts import collect
 from evalsvc.store.models import Alert, Regression, Run, ScenarioRow, Verdict
 from evalsvc.store.record import record_results
 from evalsvc.verdicts import judge_run, track, triage_regression
-from tests.store.factories import build_ref, run_result
+from tests.store.factories import build_ref, job_spec, run_result
 
 
 def record(store, tmp_path, job_id, sha, hours, kls, track_it=True):
     result = run_result("mamba2-eb-ov-c64", {"prefill_hit": kls})
-    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded",
-            "track": track_it}
+    spec = job_spec(engine="embedded", track=track_it)
     [run_id] = record_results(store, job_id=job_id, trigger="nightly", spec=spec,
                               build=build_ref(sha, hours=hours), matrix="smoke", results=[result],
                               results_dir=tmp_path)
@@ -104,7 +103,7 @@ def test_a_comparison_of_two_builds_is_judged_by_paired_samples(store, tmp_path)
 
     rng = np.random.default_rng(12)
     level = rng.uniform(1e-10, 3e-9, 16)  # under the embedded engine's limit of 1e-8
-    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded"}
+    spec = job_spec(engine="embedded")
     for sha, patches, kls in (("base", [], level), ("base", ["fix"], level * 3),
                               ("other", [], level * np.exp(rng.normal(0, 0.05, 16)))):
         record_results(store, job_id=f"job-{sha}-{len(patches)}", trigger="api", spec=spec,
@@ -141,7 +140,7 @@ def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path
 
     rng = np.random.default_rng(31)
     level = {s: np.exp(rng.normal(np.log(1e-3), 1.0, 12)) for s in ("prefill_hit", "branching")}
-    spec = {"matrix": {"name": "gpu", "engine": "sglang"}, "engine": "sglang", "track": True}
+    spec = job_spec(engine="sglang", track=True)
     limits = ThresholdsFile(defaults=RuleBody(kl_k3_mean=MetricLimits(relative_effect=0.5)))
 
     def run(sha, hours, factor):
@@ -186,7 +185,7 @@ def test_a_run_judged_from_the_store_says_where_its_extend_fails(store, tmp_path
                    extend_reference_logprobs=reference, extend_tokens=n,
                    extend_kl_k3_mean=0.1, extend_kl_k3_max=2.05)
     scen.metrics["extend_kl_k3_mean"] = 0.1
-    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded"}
+    spec = job_spec(engine="embedded")
     [run_id] = record_results(store, job_id="ext", trigger="api", spec=spec,
                               build=build_ref("e1"), matrix="smoke", results=[result],
                               results_dir=tmp_path)
@@ -245,8 +244,7 @@ def test_a_known_failure_holds_across_commits_and_new_defects_still_open_regress
             out["host_tier"] = list(0.03 * np.exp(rng.normal(0, 0.1, 8)))
         return out
 
-    spec = {"matrix": {"name": "smoke", "engine": "embedded"}, "engine": "embedded",
-            "track": True}
+    spec = job_spec(engine="embedded", track=True)
 
     def record_commit(i: int, defects: set[str], bad: float = 0.05) -> int:
         [run_id] = record_results(store, job_id=f"n{i}", trigger="nightly", spec=spec,

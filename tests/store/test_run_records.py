@@ -12,6 +12,7 @@ import yaml
 from sqlalchemy import select
 
 from evalsvc.engines.launch import clean_env
+from evalsvc.jobs.spec import JobSpec
 from evalsvc.store.db import Store
 from evalsvc.store.models import Build, Commit, Job, Run, Sample
 from evalsvc.store.queries import job_detail
@@ -55,7 +56,9 @@ def test_run_records_its_job_and_the_defects_as_patch_set(tmp_path):
             assert len(jobs) == 2
             assert all(j.trigger == "cli" and j.status == "done" and j.id.startswith("cli-") for j in jobs)
             assert jobs[0].spec["matrix_name"] == "store-tiny" and jobs[0].spec["engine"] == "embedded"
-            assert jobs[1].spec["patches"] == ["defect:host-load-race"]
+            # the job's spec is a JobSpec (jobs.spec), as the service stores its jobs'
+            spec = JobSpec.model_validate(jobs[1].spec)
+            assert [b.patches for b in spec.builds] == [["defect:host-load-race"]]
 
             commit = s.scalars(select(Commit)).one()  # both runs evaluated the same embedded engine
             assert commit.repository == "evalsvc/embedded" and commit.version and commit.sha is None

@@ -1,0 +1,231 @@
+"""A job's phases, one way for the job service and ``evalsvc run``: ``run_job``.
+
+The workload is loaded, its prompts tokenized, each build of the job made ready, its configs
+planned into runs (pending runs in the store, when there is one), the runs handed to a dispatcher,
+and each finished run recorded in a transaction of its own (``jobs.record.record_result``) as it
+ends. What differs between the service and the command line is told by ``RunOptions``: the
+service's cancel and shutdown and the store writes of a run's start, the command line's builds made
+before its job starts, its reference servers and progress (its own dispatcher,
+``evaluate.run_local``), ``--no-store`` (no store: the results are only returned) and
+``--dry-run`` (the command lines, nothing launched). Who runs the job writes its end
+(``jobs.record.end_job``): the service's runner, or ``evalsvc run``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evalsvc.dispatch.base import RunTask
+from evalsvc.engines.base import EngineSpec, engine_command
+from evalsvc.jobs.builds import ReadyBuild
+from evalsvc.jobs.plan import plan_runs
+from evalsvc.jobs.record import PlannedRun, describe, fail_run, plan_build_runs, record_result
+from evalsvc.jobs.spec import BuildSpec, JobSpec
+from evalsvc.matrix import Config
+from evalsvc.paths import inside
+from evalsvc.store.db import Store
+from evalsvc.store.models import Run
+from evalsvc.store.record import ensure_job
+from evalsvc.tokenization import tokenized
+from evalsvc.types import RunResult
+
+log = logging.getLogger("evalsvc.jobs")
+
+
+class JobCancelled(Exception):
+    """Raised in a job's phases once its cancel was asked (``RunOptions.cancelled``)."""
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass
+class RunOptions:
+    """How a job runs where ``run_job`` is called from (the service's runner, ``evalsvc run``)."""
+
+    engine: EngineSpec  # the job's engine, its builds made over it (its SGLang python)
+    log_dir: Path | None = None  # the runs' logs (none for a dry run)
+    results_dir: Path | None = None  # the runs' samples files (with a store)
+    # each build's runs log in log_dir/build-BUILD (the service's); else in log_dir itself
+    per_build_logs: bool = True
+    run_timeout_s: float | None = None  # the default deadline of a run (the matrix's wins)
+    # how a build of the job is made ready (``jobs.builds.ready_build`` where the runs go)
+    prepare: Callable[[EngineSpec, BuildSpec], ReadyBuild] | None = None
+    builds: list[ReadyBuild] | None = None  # made ready already, one per build of the job
+    prompts: Any = None  # the workload loaded already (``workloads.load_prompts``)
+    configs: list[Config] | None = None  # planned already (each build runs them)
+    matrix_json: dict[str, Any] | None = None  # the matrix as plain data (a stored job's)
+    trigger: str | None = None  # the job written to the store when it starts, running
+    # a model whose tokenizer cannot be loaded errors its runs only (else the job fails)
+    per_model_errors: bool = False
+    dry_run: bool = False  # plan only: the engine command lines, nothing launched or stored
+    cancelled: Callable[[], bool] = _never  # the job's cancel was asked: it stops at once
+    stopping: Callable[[], bool] = _never  # the service is shutting down: the job resumes later
+    on_start: Callable[[int], None] | None = None  # run id, when a slot starts it
+    on_engine: Callable[[int, int], None] | None = None  # run id, engine pid
+    # as each run ended and was recorded: the run, its result, why it could not be recorded
+    on_result: Callable[[PlannedRun, RunResult, str | None], None] | None = None
+
+
+@dataclass
+class JobOutcome:
+    """What ``run_job`` ends with: the job's status (done, failed, cancelled, or interrupted: the
+    service shut down and the job resumes after its restart) and error; the results of the runs
+    that ended, in order; the runs that could not be recorded (``failures``, and the names of
+    their configs); the command lines of a dry run."""
+
+    status: str
+    error: str | None = None
+    results: list[RunResult] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    unrecorded: set[str] = field(default_factory=set)
+    planned: list[PlannedRun] = field(default_factory=list)
+    commands: list[list[str]] = field(default_factory=list)
+
+
+def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]:
+    """Each config's command line, behind ``env VAR=VALUE ...`` where its engine gets variables
+    (the matrix's ``engine_env``, the radix-tree core)."""
+    commands = []
+    for c in configs:
+        env = [f"{k}={v}" for k, v in sorted(c.env.items())]
+        commands.append([*(["env", *env] if env else []),
+                         *engine_command(spec, c.args, port=30000)])
+    return commands
+
+
+def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
+            options: RunOptions) -> JobOutcome:
+    """Run a job's phases (workload, tokens, builds, plan, runs, record); ``options.cancelled``
+    is looked at between them and in their loops (JobCancelled before its runs were handed over;
+    after, the job ends cancelled). ``store`` None: nothing is recorded (``evalsvc run
+    --no-store``). An exception (Ctrl-C too) stops every run of the job it handed over."""
+    from evalsvc.workloads import load_prompts, workload_version
+
+    matrix = spec.matrix
+    matrix_json = options.matrix_json
+    if matrix_json is None:  # made once, and sent as is with each run
+        matrix_json = matrix.model_dump(mode="json")
+
+    def check() -> None:
+        if options.cancelled():
+            raise JobCancelled(job_id)
+
+    check()
+    prompts = options.prompts if options.prompts is not None else load_prompts(matrix.workload)
+    version = workload_version(matrix.workload, prompts)
+    base = options.engine
+    if options.dry_run:
+        configs = (options.configs if options.configs is not None
+                   else plan_runs(matrix, base, version, spec.configs))
+        return JobOutcome("done", commands=dry_run_commands(configs, base))
+    if store is not None and options.trigger is not None:
+        stored = spec.stored()
+        store.write(lambda s: ensure_job(s, job_id, options.trigger, stored),
+                    f"job {job_id}: its start")
+    check()
+    bad_models: dict[str, str] | None = {} if options.per_model_errors else None
+    by_model = tokenized(matrix, base, prompts, errors=bad_models)
+    items: list[tuple[PlannedRun, RunTask | None, RunResult | None]] = []
+    planned_all: list[PlannedRun] = []
+    for i, b in enumerate(spec.builds):
+        check()
+        if options.builds is not None:
+            engine, ref, request = options.builds[i]
+        else:
+            engine, ref, request = options.prepare(base, b)
+        check()
+        # validated when submitted: a config its build's release excludes is left out
+        configs = (options.configs if options.configs is not None
+                   else plan_runs(matrix, engine, version, spec.configs, strict=False))
+        if store is not None:
+            planned = plan_build_runs(store, job_id, ref, matrix.name, configs, check=check)
+        else:  # nothing stored: the runs are numbered in the job
+            planned = [PlannedRun(len(planned_all) + n, 0, "pending", c)
+                       for n, c in enumerate(configs)]
+        planned_all += planned
+        for p in planned:
+            if p.status != "pending":  # recorded already (a job resumed after a restart)
+                continue
+            if bad_models and p.config.model in bad_models:  # its other models' runs still go
+                items.append((p, None, p.config.unrun("error", bad_models[p.config.model])))
+                continue
+            log_dir = (inside(options.log_dir, f"build-{p.build_id}") if options.per_build_logs
+                       else options.log_dir)
+            items.append((p, RunTask.make(
+                job_id, p.run_id, matrix, p.config, engine, by_model[p.config.model], log_dir,
+                build=request, run_timeout_s=options.run_timeout_s, matrix_json=matrix_json),
+                None))
+    outcome = JobOutcome("done", planned=planned_all)
+    futures: list[tuple[PlannedRun, RunTask | None, Future]] = []
+    try:
+        for p, task, ended in items:
+            if options.cancelled():
+                break
+            if task is None:
+                fut: Future = Future()
+                fut.set_result(ended)
+            else:
+                fut = dispatcher.submit(
+                    task,
+                    on_start=(lambda rid=p.run_id: options.on_start(rid))
+                    if options.on_start else None,
+                    on_engine=(lambda pid, rid=p.run_id: options.on_engine(rid, pid))
+                    if options.on_engine else None)
+            futures.append((p, task, fut))
+        if options.cancelled():  # a cancel that came while its runs were handed over
+            dispatcher.cancel_job(job_id)
+        for p, task, fut in futures:
+            _collect(job_id, p, task, fut, store, options, outcome)
+    except BaseException:
+        dispatcher.cancel_job(job_id)  # no run of it goes on without the job
+        raise
+    if options.stopping() and not options.cancelled():
+        outcome.status = "interrupted"  # left running: it resumes after the restart
+    elif options.cancelled():
+        outcome.status = "cancelled"
+    elif outcome.failures:
+        outcome.status, outcome.error = "failed", "; ".join(outcome.failures)
+    return outcome
+
+
+def _collect(job_id: str, p: PlannedRun, task: RunTask | None, fut: Future,
+             store: Store | None, options: RunOptions, outcome: JobOutcome) -> None:
+    """Wait for one run and record it (``record_result``), or its failure."""
+    try:
+        result = fut.result()
+    except CancelledError:  # never started: the service is shutting down
+        return
+    except Exception as exc:  # e.g. its start could not be written
+        log.exception("run %d failed", p.run_id)
+        reason = describe(exc)
+        failure = (fail_run(store, p.run_id, reason) if store is not None
+                   else f"run {p.run_id}: {reason}")
+        outcome.failures.append(failure)
+        outcome.unrecorded.add(p.config.name)
+        result = task.outcome("error", reason) if task is not None else p.config.unrun(
+            "error", reason)
+        outcome.results.append(result)
+        if options.on_result is not None:
+            options.on_result(p, result, failure)
+        return
+    if options.stopping() and result.verdict == "cancelled":
+        if store is not None:
+            with store.session() as s:  # shutting down: run again after the restart
+                s.get(Run, p.run_id).status = "pending"
+        return
+    failure = None
+    if store is not None:
+        failure = record_result(store, options.results_dir, job_id, p.run_id, result)
+        if failure is not None:
+            outcome.failures.append(failure)
+            outcome.unrecorded.add(p.config.name)
+    outcome.results.append(result)
+    if options.on_result is not None:
+        options.on_result(p, result, failure)
