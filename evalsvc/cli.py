@@ -221,7 +221,7 @@ def run(
 
         db = Store(settings.resolved_database_url())
         record = JobRecord.start(
-            db, settings.results_dir(), job_id, "cli", ready.ref, mat.name, cfgs,
+            db, settings.results_dir(), job_id, "cli", ready.ref, mat, cfgs,
             spec={"matrix_name": mat.name, "matrix": mat.model_dump(mode="json"),
                   "engine": kind, "configs": configs or None, "build": ready.ref.ref,
                   "patches": ready.ref.patches})

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from evalsvc import judging
 from evalsvc.engines.base import EngineSpec, engine_command, launch
 from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess, EngineStartError, free_port
@@ -68,8 +69,10 @@ def dry_run_commands(configs: list[Config], spec: EngineSpec) -> list[list[str]]
 def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
              console: Console | None = None, engines: EnginePool | None = None,
              on_result: Callable[[Config, RunResult], None] | None = None) -> list[RunResult]:
-    """Every config, one run at a time; ``engines``: engines kept between runs (``EnginePool``);
-    ``on_result(config, result)`` as each run ends (``jobs.record.JobRecord.record``)."""
+    """Every config, one run at a time, each judged as it ends (``judging.judge_run``): by
+    ``on_result(config, result)`` when given (``jobs.record.JobRecord.record``: recorded and
+    judged with its history, the verdicts handed back on ``result``), else on its fixed limits
+    (no history: nothing is stored). ``engines``: engines kept between runs (``EnginePool``)."""
     console = console or Console()
     bad_models: dict[str, str] = {}
     by_model = tokenized(matrix, spec, prompts, errors=bad_models)
@@ -99,12 +102,14 @@ def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpe
                                         reference=reference, on_scenario=on_scenario,
                                         engines=engines)
                     result.reference = references.describe(cfg.model)
+            if on_result is not None:  # recorded, and judged there (with its history)
+                on_result(cfg, result)
+            else:  # nothing stored: judged on its fixed limits
+                judging.judge_run(result, judging.config_limits(cfg, matrix, engine=spec.kind))
             progress.update(task, completed=len(cfg.scenarios),
                             description=f"  {cfg.name}: {result.verdict}")
             progress.advance(overall)
             results.append(result)
-            if on_result is not None:
-                on_result(cfg, result)
     write_outputs(results, out_dir)
     return results
 
@@ -191,7 +196,7 @@ def _json_default(obj: Any) -> Any:
 
 
 VERDICT_STYLE = {"pass": "green", "expected": "blue", "fail": "red", "inconclusive": "yellow",
-                 "invalid": "magenta", "error": "red"}
+                 "measured": "white", "invalid": "magenta", "error": "red"}
 
 
 def config_prefix(names: list[str]) -> str:

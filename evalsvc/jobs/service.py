@@ -388,8 +388,9 @@ class JobService:
             self._check_cancelled(job_id)
             # validated when submitted: a config its build's release excludes is left out
             configs = plan_runs(matrix, engine, version, spec.configs, strict=False)
-            planned = plan_build_runs(self.store, job_id, ref, matrix.name, configs,
-                                      check=lambda: self._check_cancelled(job_id))
+            planned = plan_build_runs(self.store, job_id, ref, matrix, configs,
+                                      check=lambda: self._check_cancelled(job_id),
+                                      engine=spec.engine)
             tasks += [(p.run_id, RunTask.make(
                 job_id, p.run_id, matrix, p.config, engine, by_model[p.config.model],
                 inside(log_dir, f"build-{p.build_id}"), build=request,

@@ -94,7 +94,7 @@ def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | Non
     record = JobRecord.start(
         store, work / "results", f"{label}-{seed}", "cli",
         BuildRef(f"bench/{spec.kind}", version=label, committed_at=START + timedelta(days=day)),
-        matrix.name, cfgs, spec={"matrix_name": matrix.name,
+        matrix, cfgs, spec={"matrix_name": matrix.name,
                                  "matrix": matrix.model_dump(mode="json"),
                                  "engine": spec.kind, "track": track})
     try:
