@@ -7,6 +7,7 @@ transaction, and a job of two builds compared when it ends. One way for the job 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -192,11 +193,33 @@ def job_build_ids(session, job_id: str) -> list[int]:
 def store_comparison(session, job_id: str) -> None:
     """A job of two builds that ended done: its comparison (the first build the baseline, the
     second the contender: ``verdicts.compare_builds``), judged once and stored on the job
-    (``jobs.comparison``), which its readers serve."""
+    (``jobs.comparison``), which its readers serve. A comparison that cannot be judged is logged
+    and left out (NULL: judged when read), never keeping the job from ending."""
     builds = job_build_ids(session, job_id)
-    if len(builds) == 2:
+    if len(builds) != 2:
+        return
+    try:
         rows = compare_builds(session, builds[0], builds[1])
-        session.execute(update(Job).where(Job.id == job_id).values(comparison=rows))
+    except SQLAlchemyError:
+        raise  # the store's: the job's end is written again (JobService._finish)
+    except Exception:  # never a job left unended for its comparison: judged when read instead
+        log.exception("job %s: its comparison could not be judged", job_id)
+        return
+    session.execute(update(Job).where(Job.id == job_id).values(comparison=json_safe(rows)))
+
+
+def json_safe(value):
+    """``value`` as JSON every store takes: NumPy scalars as Python's, a non-finite float as None
+    (PostgreSQL's JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, str | bytes):  # a NumPy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 SHOWN_ERRORS = 3  # runs an all-errored job's error names
