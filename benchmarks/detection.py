@@ -54,12 +54,24 @@ from sqlalchemy import delete, select
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from evalsvc import judging  # noqa: E402
 from evalsvc.children import exit_on_sigterm  # noqa: E402
+from evalsvc.jobs.spec import job_spec  # noqa: E402
 from evalsvc.judging import POOLED  # noqa: E402
 from evalsvc.matrix import MatrixFile, load_matrix  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
-from evalsvc.store.models import Build, Commit, Metric, Regression, Run, Verdict  # noqa: E402
-from evalsvc.verdicts import judge_and_track  # noqa: E402
+from evalsvc.store.models import (  # noqa: E402
+    Build,
+    Commit,
+    Metric,
+    Regression,
+    Run,
+    Sample,
+    Verdict,
+)
+from evalsvc.store.record import write_verdicts  # noqa: E402
+from evalsvc.types import SAMPLE_FIELDS, RunResult, ScenarioResult  # noqa: E402
+from evalsvc.verdicts import run_history, stored_limits, track  # noqa: E402
 from tests.oracles.detection import (  # noqa: E402
     WHERE,
     acting_configs,
@@ -204,8 +216,58 @@ def rejudge(store: Store) -> dict[str, Any]:
                          .join(Commit, Build.commit_id == Commit.id)
                          .order_by(Commit.committed_at, Run.finished_at, Run.id)).all()
     for run_id in runs:
-        store.write(lambda s, run_id=run_id: judge_and_track(s, run_id))
+        store.write(lambda s, run_id=run_id: judge_again(s, run_id))
     return verdict_counts(store)
+
+
+def stored_result(s, run: Run) -> RunResult:
+    """A recorded run as the harness measured it, read back: its scenarios (those it judged
+    ``measured`` again), their metrics, and their samples' scalars with their extends' logprobs
+    from the run's Parquet file when it is there."""
+    import pandas as pd
+
+    extends: dict[tuple[str, str], dict[str, Any]] = {}
+    if run.samples_path and Path(run.samples_path).is_file():
+        columns = ["scenario", "sample_id", "extend_logprobs", "extend_reference_logprobs"]
+        for row in pd.read_parquet(run.samples_path, columns=columns).to_dict("records"):
+            extends[(row["scenario"], row["sample_id"])] = {
+                k: list(row[k]) if row[k] is not None else None for k in columns[2:]}
+    metrics: dict[str, dict[str, Any]] = {}
+    for scen, name, value in s.execute(select(Metric.scenario, Metric.name, Metric.value)
+                                       .where(Metric.run_id == run.id)):
+        metrics.setdefault(scen, {})[name] = value
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for row in s.scalars(select(Sample).where(Sample.run_id == run.id).order_by(Sample.id)):
+        samples.setdefault(row.scenario, []).append(
+            {"sample_id": row.sample_id, **{k: getattr(row, k, None) for k in SAMPLE_FIELDS},
+             **extends.get((row.scenario, row.sample_id), {})})
+    judged = judging.JUDGED
+    return RunResult(run.config, run.fingerprint, run.model, run.settings or {},
+                     run.requested_args or {}, verdict=run.verdict or "error",
+                     reason=run.reason or "",
+                     scenarios=[ScenarioResult(r.scenario,
+                                               "measured" if r.verdict in judged else r.verdict,
+                                               "" if r.verdict in judged else r.reason or "",
+                                               metrics.get(r.scenario, {}),
+                                               samples.get(r.scenario, []))
+                                for r in run.scenarios])
+
+
+def judge_again(s, run_id: int) -> None:
+    """A recorded run judged again (``judging.judge_run``, with its history as the store has it
+    now), its verdicts replaced, and its regressions tracked when its job asks."""
+    run = s.get(Run, run_id)
+    result = stored_result(s, run)
+    names = [sc.scenario for sc in result.scenarios if sc.verdict == "measured"]
+    history = run_history(s, run, names) if result.verdict != "cancelled" else None
+    judgements = judging.judge_run(result, stored_limits(run, [*names, POOLED]), history)
+    for row, scen in zip(run.scenarios, result.scenarios, strict=True):
+        row.verdict, row.reason = scen.verdict, scen.reason or None
+    run.verdict, run.reason = result.verdict, result.reason or None
+    rows = write_verdicts(s, run, judgements)
+    spec = job_spec(run.job)
+    if spec is not None and spec.track:
+        track(s, run, rows)
 
 
 def main() -> None:

@@ -121,7 +121,7 @@ def run(
     from evalsvc.jobs import BuildSpec, JobSpec, UnknownConfigs, mint_id
     from evalsvc.jobs import run as job_run
     from evalsvc.jobs.builds import ReadyBuild
-    from evalsvc.jobs.record import end_job, known_failures
+    from evalsvc.jobs.record import end_job
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.settings import Settings
@@ -230,12 +230,10 @@ def run(
         db = Store(settings.resolved_database_url())
     ended = {"left": len(cfgs), "failures": []}  # what the job's end is written from
 
-    def on_result(planned, result, failure: str | None) -> None:
+    def on_result(_planned, _result, failure: str | None) -> None:
         ended["left"] -= 1
         if failure is not None:
             ended["failures"].append(failure)
-        elif db is not None:  # the scenarios the store judged known failures: expected
-            known_failures(db, planned.run_id, result)
 
     t0 = time.monotonic()
     job_status = None

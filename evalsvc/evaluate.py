@@ -72,7 +72,8 @@ def prepare(matrix: MatrixFile, spec: EngineSpec, model_override: str | None = N
 def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
              console: Console | None = None, engines: EnginePool | None = None,
              on_result: Callable[[Config, RunResult], None] | None = None) -> list[RunResult]:
-    """Every config, one run at a time, nothing stored (``run_local``); ``engines``: engines kept
+    """Every config, one run at a time, nothing stored (``run_local``: each run judged on its fixed
+    limits, ``jobs.run.run_job``); ``engines``: engines kept
     between runs (``EnginePool``); ``on_result(config, result)`` as each run ends
     (``jobs.record.JobRecord.record``)."""
     job = JobSpec(matrix_name=matrix.name, matrix=matrix, engine=spec.kind, builds=[BuildSpec()],
@@ -232,7 +233,7 @@ def _json_default(obj: Any) -> Any:
 
 
 VERDICT_STYLE = {"pass": "green", "expected": "blue", "fail": "red", "inconclusive": "yellow",
-                 "invalid": "magenta", "error": "red"}
+                 "measured": "white", "invalid": "magenta", "error": "red"}
 
 
 def config_prefix(names: list[str]) -> str:

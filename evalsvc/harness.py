@@ -1,11 +1,12 @@
 """One run: launch a config's engine, check it runs what was asked, drive its scenarios, score them.
 
 No store and no web here: a run is a function of plain data (a config, an engine spec, prompts) and
-returns plain data (``RunResult``). A failing scenario marks that scenario ``error`` and the rest
-go on; an engine that dies fails what is left of the run with its log tail; an engine that does not
-answer a request in the time its work allows, or a run past its deadline (``run_timeout``, engine
-start-up included), fails it the same way and the engine is killed; the engine's whole process
-group is always taken down.
+returns plain data (``RunResult``): measurements, not judgements (a scenario it measured is
+``measured``; ``judging.judge_run`` judges the run where it is recorded or printed). A failing
+scenario marks that scenario ``error`` and the rest go on; an engine that dies fails what is left
+of the run with its log tail; an engine that does not answer a request in the time its work
+allows, or a run past its deadline (``run_timeout``, engine start-up included), fails it the same
+way and the engine is killed; the engine's whole process group is always taken down.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsvc import judging, metrics
+from evalsvc import metrics
 from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.client import EngineClient, ScenarioError
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
@@ -81,7 +82,7 @@ class EnginePool:
     """Engines kept from one run to the next run of the same engine: the same command line (but
     the port) and environment, as a series of evaluations of one config has them (the false-alarm
     benchmark and its test). A run takes the engine a run before it left, or starts one; it leaves
-    its engine when it ended with its engine serving (verdict pass, fail, inconclusive or invalid),
+    its engine when it ended with its engine serving (verdict measured or invalid),
     and stops it otherwise (an error, a cancel, a passed deadline). Every scenario starts from a
     flushed cache, so a run on a kept engine measures what one on a fresh engine does; it skips the
     start-up, and the server's own running totals (``avg_spec_accept_length`` in /server_info)
@@ -258,7 +259,7 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
         if client is not None:
             client.close()
         if proc is not None:
-            serving = (result.verdict in ("pass", "fail", "inconclusive", "invalid")
+            serving = (result.verdict in ("measured", "invalid")
                        and watchdog.reason is None and proc.alive()
                        and (client is None or client.timed_out is None)
                        and not (control is not None and control.cancelled))
@@ -302,7 +303,7 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
     for name in config.scenarios:
         if control is not None and control.cancelled:
             break
-        scen = run_scenario(name, ctx, config, matrix, resolved, engine=engine)
+        scen = run_scenario(name, ctx, config, matrix, resolved)
         reason = None
         if scen.verdict == "error":
             if watchdog.reason is not None:  # the deadline passed: the engine was killed
@@ -385,14 +386,13 @@ def start_engine(config: Config, spec: EngineSpec, log_path: Path | None, attemp
 
 
 def run_scenario(name: str, ctx: Context, config: Config, matrix: MatrixFile,
-                 resolved: dict[str, Any], *, engine: str | None = None) -> ScenarioResult:
-    """One scenario, scored and judged against the limits on ``engine`` (the run's engine kind;
-    default the matrix's)."""
+                 resolved: dict[str, Any]) -> ScenarioResult:
+    """One scenario, measured (``score``: verdict ``measured``, or ``error``)."""
     t0 = time.monotonic()
     start = log_size(ctx.log_path)
     try:
         samples = SCENARIO_RUNNERS[name](ctx)
-        result = score(name, samples, config, matrix, resolved, engine=engine)
+        result = score(name, samples, config, matrix, resolved)
         note_defect_events(result, read_defect_events(ctx.log_path, start), ctx.rid_prefix)
     except (ScenarioError, ValueError, OSError) as exc:
         log.warning("run %s scenario %s: %s", config.name, name, exc)
@@ -456,9 +456,9 @@ def note_defect_events(result: ScenarioResult, events: list[tuple[str, str]],
 
 
 def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
-          resolved: dict[str, Any], *, engine: str | None = None) -> ScenarioResult:
-    """KL estimators, hit coverage, acceptance and the verdict of one scenario (against the limits
-    on ``engine``, the run's engine kind; default the matrix's).
+          resolved: dict[str, Any]) -> ScenarioResult:
+    """KL estimators, hit coverage and acceptance of one scenario: measured, not judged (verdict
+    ``measured``; ``judging.judge_run`` judges it, where the run is recorded or printed).
 
     Every sample's tokens are scored in one pass (``metrics.token_kl_by_sample``), decode and
     extend apart; per-sample values equal those of the sample's own arrays, bit for bit."""
@@ -501,7 +501,6 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m.update({f"kl_k3_{k}": v for k, v in kl_summary.items()})
         for est in ("k1", "k2"):
             m[f"kl_{est}_mean"] = float(np.mean([r[f"kl_{est}_mean"] for r in rows]))
-    by_position = metrics.kl_by_position(ext.k3, ext.lengths)  # before the summary reorders k3
     if ext.k3.size:
         nonempty = ext.lengths > 0
         summary = metrics.summarize_pooled_kl(ext.k3, ext.k3_mean[nonempty],
@@ -524,9 +523,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
         m.update({f"accept_{k}": v for k, v in metrics.summarize_acceptance(
             counters, resolved.get("avg_spec_accept_length")).items()})
         m["accept_length"] = metrics.sglang_accept_length(counters)
-    verdict, reason = decide(name, m, config, matrix, engine=engine,
-                             extend=by_position)
-    return ScenarioResult(name, verdict, reason, m, rows)
+    return ScenarioResult(name, "measured", "", m, rows)
 
 
 @contextlib.contextmanager
@@ -542,16 +539,6 @@ def collections_held():
     finally:
         if enabled:
             gc.enable()
-
-
-def decide(name: str, m: dict[str, Any], config: Config, matrix: MatrixFile, *,
-           engine: str | None = None, extend: metrics.PositionKL | None = None
-           ) -> tuple[str, str]:
-    """pass / fail / inconclusive for one scenario against its fixed limits on ``engine``
-    (``judging.judge_scenario``), as ``verdicts.judge_run`` finds them for the job's engine;
-    ``extend``: the samples' extend k3 by position, placed in a failing extend's reason."""
-    limits = judging.scenario_limits(config, matrix, name, engine=engine)
-    return judging.judge_scenario(name, m, limits, uses_mtp=config.uses_mtp, extend=extend)
 
 
 def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,

@@ -1,5 +1,10 @@
 """Judging: each metric of each scenario of a run against its limits and its history, with the
-evidence, and a scenario's verdict against its fixed limits. Pure: the store side (the history
+evidence, each scenario's verdict and the run's. One judge (``judge_run``), pure: it takes the run
+as the harness measured it (``RunResult``, its scenarios ``measured``), the limits per scenario
+(``config_limits``, stored on the run when it is planned) and the history (``History``: what the
+store knows of the run's series, which ``evalsvc.verdicts.run_history`` reads; none for a run
+outside the store). It runs once, where a run is recorded (``jobs.record.record_result``), or
+with no history where nothing is stored (``evaluate.evaluate``). The store side (the history
 read, the verdicts written, regressions tracked) is ``evalsvc.verdicts``.
 
 A metric is judged in this order, and the first rule that decides wins:
@@ -38,15 +43,19 @@ history only), as one defect acts in several and their samples pooled make the t
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from evalsvc.matrix import Config, MatrixFile
-from evalsvc.metrics.kl import PositionKL
+from evalsvc.matrix import SCENARIOS, Config, MatrixFile
+from evalsvc.metrics.kl import PositionKL, kl_by_position, token_kl_by_sample
 from evalsvc.metrics.stats import change_point, paired_shift
 from evalsvc.thresholds import HistorySettings, Limits, ThresholdsFile, limits_for
+from evalsvc.types import RunResult, ScenarioResult, worst
 
 # metric -> +1 when higher is worse, -1 when lower is worse
 METRICS = {"kl_k3_mean": 1, "extend_kl_k3_mean": 1, "accept_length": -1}
@@ -98,6 +107,21 @@ class KnownFailure:
     regression_id: int
     level: float
     link: str | None = None
+
+
+@dataclass
+class History:
+    """What the store knows of a run's series, for ``judge_run``: the baseline of each scenario's
+    metric (``series``, by (scenario, metric)); of each metric pooled over the scenarios
+    (``pooled``, by metric: the earlier runs' per-sample values of every scenario that may be
+    pooled, keyed ``scenario/sample id``, ``judge_run`` keeps those of the scenarios it pools);
+    the series' known failures (``known``, by (scenario, metric), ``POOLED`` for the pooled
+    series); and the history settings of the thresholds. Empty: a run without history."""
+
+    series: dict[tuple[str, str], Series] = field(default_factory=dict)
+    pooled: dict[str, Series] = field(default_factory=dict)
+    known: dict[tuple[str, str], KnownFailure] = field(default_factory=dict)
+    settings: HistorySettings = field(default_factory=HistorySettings)
 
 
 def hold_known(j: Judgement | None, known: KnownFailure | None, limits: Limits) -> None:
@@ -184,12 +208,16 @@ def extend_location(profile: PositionKL | None) -> str | None:
             f"{rest:.3g}{peak}")
 
 
-def locate_extend(j: Judgement | None, profile: PositionKL | None) -> None:
+Profile = PositionKL | Callable[[], PositionKL | None] | None
+
+
+def locate_extend(j: Judgement | None, profile: Profile) -> None:
     """A failing extend verdict's reason, with where along the extend its k3 sits
-    (``extend_location``) added."""
+    (``extend_location``) added. ``profile``: the extend k3 by position, or what makes it (called
+    only for a failing extend)."""
     if j is None or j.metric != "extend_kl_k3_mean" or j.verdict != "regression":
         return
-    where = extend_location(profile)
+    where = extend_location(profile() if callable(profile) else profile)
     if where is not None:
         j.reason = f"{j.reason} ({where})"
 
@@ -207,13 +235,36 @@ def scenario_limits(config: Config, matrix: MatrixFile | None, scenario: str, *,
                       accept_floor=config.accept_floor)
 
 
+def config_limits(config: Config, matrix: MatrixFile | None, *, engine: str | None = None,
+                  thresholds: ThresholdsFile | None = None) -> dict[str, Limits]:
+    """The limits of each of a config's scenarios, and of its pooled verdicts (``POOLED``), on
+    ``engine`` (``scenario_limits``): what a run is judged against, stored on it when it is
+    planned (``runs.limits``)."""
+    return {name: scenario_limits(config, matrix, name, engine=engine, thresholds=thresholds)
+            for name in (*config.scenarios, POOLED)}
+
+
+def extend_profile(samples: list[dict[str, Any]]) -> PositionKL | None:
+    """The samples' extend k3 by position (as ``harness.score`` finds it), from their extend
+    logprobs and the reference's; None without extends, or when they are not usable."""
+    served = [row.get("extend_logprobs") or [] for row in samples]
+    if not any(len(e) for e in served):
+        return None
+    reference = [row.get("extend_reference_logprobs") or [] for row in samples]
+    try:
+        ext = token_kl_by_sample(served, reference)
+    except (ValueError, TypeError):
+        return None
+    return kl_by_position(ext.k3, ext.lengths)
+
+
 def judge_scenario(scenario: str, metrics: dict[str, Any], limits: Limits, *,
-                   uses_mtp: bool = False, extend: PositionKL | None = None) -> tuple[str, str]:
+                   uses_mtp: bool = False, extend: Profile = None) -> tuple[str, str]:
     """pass / fail / inconclusive for one scenario's metrics (as ``harness.score`` makes them)
-    against its fixed limits: ``judge_metric`` without history, which runs where the store is
-    (``evalsvc.verdicts.judge_run``). ``extend``: the samples' extend k3 by position, which a
-    failing extend's reason places (``locate_extend``)."""
-    short = coverage_shortfall(metrics["hit_coverage"], limits.min_hit_coverage)
+    against its fixed limits: ``judge_metric`` without history (``judge_run`` adds the history).
+    ``extend``: the samples' extend k3 by position (or what makes it), which a failing extend's
+    reason places (``locate_extend``)."""
+    short = coverage_shortfall(metrics.get("hit_coverage"), limits.min_hit_coverage)
     if short is not None:
         return "inconclusive", short
     if (scenario == "speculative" and uses_mtp and limits.accept_length.min is not None
@@ -368,3 +419,149 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
                 j.reason = (f"{label} shifted from {cp['before']:.4g} to {cp['after']:.4g} "
                             f"{len(series) - cp['index']} runs ago (p = {cp['p_value']:.2g})")
     return j
+
+
+# the verdicts of a scenario its metrics decide: the harness's ``measured``, and a verdict judged
+# before (judged again from the metrics)
+JUDGED = ("measured", "pass", "fail", "inconclusive", "expected")
+# a run's verdicts that are no judgement of its metrics: they stay as they are
+NOT_JUDGED = ("invalid", "error", "cancelled")
+
+
+def finite(value: Any) -> float | None:
+    """A metric's value as the store keeps it: a finite number, else None (not judged)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def judge_run(result: RunResult, limits: Mapping[str, Limits], history: History | None = None
+              ) -> list[Judgement]:
+    """The one judge of a run: each scenario it measured (``JUDGED``) and each of its metrics,
+    against the scenario's limits (``limits``: by scenario, ``config_limits``) and ``history``
+    (None or empty: fixed limits only, as where nothing is stored); returns the metric judgements
+    (what the store keeps as verdicts), and sets on ``result`` each scenario's verdict and reason
+    and the run's.
+
+    A scenario's verdict is its fixed limits' (``judge_scenario``: pass, fail or inconclusive);
+    then, unless the run was cancelled, each metric is judged with its history and its series'
+    known failure (``judge_metric``, ``hold_known``): a history regression fails the scenario, a
+    scenario that fails only as its known failures do is expected (``after_history``). What the
+    measurement noted (the reason of a ``measured`` scenario: planted defects that acted) follows
+    the verdict's reason. Each metric is judged over the run's conclusive scenarios pooled too
+    (``POOLED``, history only), a pooled regression failing the run. The run's verdict is the
+    worst of its scenarios' and the pooled ones (``worst``), unless it is invalid, an error or
+    cancelled (``NOT_JUDGED``): those stay, with their reasons. Judging a judged result again
+    judges it from its metrics again. No store here."""
+    history = history or History()
+    with_history = result.verdict != "cancelled"
+    uses_mtp = bool((result.settings or {}).get("mtp"))
+    out: list[Judgement] = []
+    samples: dict[tuple[str, str], dict[str, float]] = {}
+    for scen in result.scenarios:
+        if scen.verdict not in JUDGED:
+            continue
+        notes = scen.reason if scen.verdict == "measured" else ""
+        lim = limits[scen.scenario]
+        profile = functools.cache(lambda scen=scen: extend_profile(scen.samples))
+        verdict, reason = judge_scenario(scen.scenario, scen.metrics, lim, uses_mtp=uses_mtp,
+                                         extend=profile)
+        if with_history:
+            judged = []
+            for metric in METRICS:
+                values = {row["sample_id"]: row[metric] for row in scen.samples
+                          if row.get(metric) is not None}
+                if values:
+                    samples[(scen.scenario, metric)] = values
+                j = judge_metric(scen.scenario, metric, finite(scen.metrics.get(metric)), values,
+                                 lim, history.series.get((scen.scenario, metric), Series()),
+                                 history.settings,
+                                 coverage=finite(scen.metrics.get("hit_coverage")),
+                                 exact_fraction=finite(scen.metrics.get("bit_exact_fraction")))
+                locate_extend(j, profile)
+                hold_known(j, history.known.get((scen.scenario, metric)), lim)
+                if j is not None:
+                    out.append(j)
+                    judged.append(j)
+            verdict, reason = after_history(verdict, reason, judged)
+        scen.verdict, scen.reason = verdict, "; ".join(r for r in (reason, notes) if r)
+    reasons = [(s.scenario, s.verdict, s.reason) for s in result.scenarios]
+    if with_history and POOLED in limits:
+        for metric in METRICS:
+            j = judge_pooled(result, metric, samples, limits[POOLED], history)
+            if j is None:
+                continue
+            out.append(j)
+            if j.verdict in ("regression", "expected"):
+                reasons.append((POOLED, "fail" if j.verdict == "regression" else "expected",
+                                f"{', '.join(j.evidence['scenarios'])} together: {j.reason}"))
+    if reasons and result.verdict not in NOT_JUDGED:  # none: nothing here to judge
+        result.verdict, reason = worst(reasons)
+        result.reason = reason or ""
+    return out
+
+
+def pooled_baseline(series: Series | None, scenarios: list[str]) -> Series:
+    """A pooled series' baseline (``History.pooled``) over ``scenarios`` only: each earlier run's
+    per-sample values of those scenarios, its value their mean (runs without any left out)."""
+    out = Series()
+    for run_id, per_sample in zip(*((series.run_ids, series.samples) if series else ((), ())),
+                                  strict=True):
+        kept = {k: v for k, v in per_sample.items() if k.split("/", 1)[0] in scenarios}
+        if kept:
+            out.run_ids.append(run_id)
+            out.values.append(float(np.mean(list(kept.values()))))
+            out.samples.append(kept)
+    return out
+
+
+def judge_pooled(result: RunResult, metric: str, samples: dict[tuple[str, str], dict[str, float]],
+                 limits: Limits, history: History) -> Judgement | None:
+    """One metric over the run's conclusive scenarios together (the hit scenarios for KL, every
+    scenario with acceptance for it), when there are two or more: one defect acts in several, and
+    their samples pooled make the location test sharper. History only: fixed limits and the tail
+    test belong to each scenario's own verdict. ``samples``: the run's values per sample, by
+    (scenario, metric); ``limits``: the pooled verdicts' (``POOLED``)."""
+    scenarios = [sc for sc in SCENARIOS if any(
+        r.scenario == sc and r.verdict in ("pass", "fail", "expected") for r in result.scenarios)
+        and (sc, metric) in samples and (metric == "accept_length" or sc in HIT_SCENARIOS)]
+    if len(scenarios) < 2:
+        return None
+    pooled = {f"{sc}/{sid}": v for sc in scenarios for sid, v in samples[(sc, metric)].items()}
+    lim = getattr(limits, metric).model_copy(update={"max": None, "min": None, "tail": False})
+    limits = limits.model_copy(update={metric: lim, "bit_exact": False, "min_hit_coverage": 0.0})
+    j = judge_metric(POOLED, metric, float(np.mean(list(pooled.values()))), pooled, limits,
+                     pooled_baseline(history.pooled.get(metric), scenarios), history.settings)
+    if j is not None:
+        j.evidence["scenarios"] = scenarios
+        hold_known(j, history.known.get((POOLED, metric)), limits)
+    return j
+
+
+def judge_comparison(scenario: str, metric: str, contender: float,
+                     contender_samples: dict[str, float], baseline_run: int, baseline: float,
+                     baseline_samples: dict[str, float], limits: Limits,
+                     settings: HistorySettings, coverage: float | None = None
+                     ) -> Judgement | None:
+    """One metric of one scenario of a contender run judged as one step of a series whose only
+    earlier run is the baseline run (``judge_run`` on that scenario alone, with a history of that
+    one run): both ran the same prompts and seeds, so the history test's paired per-sample tests
+    apply (location, and tail where the limits ask for it). The fixed limits (maximum, floor,
+    bit-exactness) are left out: they are each run's own verdicts'. ``coverage``: the lower hit
+    coverage of the two runs (an inconclusive verdict below the limit's). None for a metric
+    without judgements."""
+    lim = getattr(limits, metric).model_copy(update={"max": None, "min": None})
+    limits = limits.model_copy(update={metric: lim, "bit_exact": False})
+    metrics: dict[str, Any] = {metric: contender}
+    if coverage is not None:
+        metrics["hit_coverage"] = coverage
+    result = RunResult(config="", fingerprint="", model="", settings={}, requested_args={},
+                       verdict="measured", scenarios=[ScenarioResult(
+                           scenario, "measured", metrics=metrics,
+                           samples=[{"sample_id": sid, metric: v}  # type: ignore[misc]
+                                    for sid, v in contender_samples.items()])])
+    history = History(series={(scenario, metric): Series([baseline_run], [baseline],
+                                                         [baseline_samples])},
+                      settings=settings.model_copy(update={"min_runs": 1}))
+    return next((j for j in judge_run(result, {scenario: limits}, history)
+                 if j.metric == metric), None)

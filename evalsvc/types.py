@@ -20,6 +20,7 @@ class Verdict(StrEnum):
     EXPECTED = "expected"  # it fails as a known failure (a regression triaged expected) does
     INCONCLUSIVE = "inconclusive"  # the scenario did not exercise what it measures
     FAIL = "fail"
+    MEASURED = "measured"  # measured, not judged yet (the harness's; ``judging.judge_run`` judges)
     INVALID = "invalid"  # the engine did not run what was asked
     ERROR = "error"
     CANCELLED = "cancelled"
@@ -152,7 +153,10 @@ TOKEN_FIELDS = tuple(SampleTokens.__annotations__)
 
 @dataclass
 class ScenarioResult:
-    """One scenario of one run: its verdict, scalar metrics and a row per sample."""
+    """One scenario of one run: its verdict, scalar metrics and a row per sample. The harness
+    leaves a scenario it measured ``measured`` (its reason: what the measurement noted, such as
+    the planted defects that acted); ``judging.judge_run`` judges it (pass, fail, inconclusive,
+    expected)."""
 
     scenario: str
     verdict: str
@@ -171,7 +175,7 @@ class RunResult:
     model: str
     settings: dict[str, Any]
     requested_args: dict[str, Any]
-    verdict: str  # worst of the scenarios', or invalid / error for the whole run
+    verdict: str  # worst of the scenarios', or invalid / error / cancelled for the whole run
     reason: str = ""
     resolved_args: dict[str, Any] = field(default_factory=dict)
     command: list[str] = field(default_factory=list)

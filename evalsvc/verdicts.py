@@ -1,6 +1,8 @@
-"""Verdicts, the store side: each metric of each scenario of a recorded run judged (the rules are
-``evalsvc.judging``'s) against the baseline its earlier runs make, the verdicts stored; regressions
-opened and closed from them.
+"""Verdicts, the store side: what ``evalsvc.judging.judge_run`` judges a run with, read from the
+store (the baseline its earlier runs make, its series' known failures: ``run_history``; the limits
+stored on it: ``stored_limits``), and regressions opened and closed from its verdicts (``track``).
+The judging itself is ``evalsvc.judging``'s; a run is judged once, where it is recorded
+(``jobs.record.record_result``).
 
 Regressions are tracked per series (fingerprint, patch set, scenario, metric) for jobs that ask
 for it (nightly): the first flagged run opens one, later flagged runs extend it, and the next run
@@ -16,30 +18,26 @@ regression of its own as usual.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from evalsvc.judging import (
     HIT_SCENARIOS,
     METRICS,
     POOLED,
-    Judgement,
+    History,
     KnownFailure,
     Series,
-    after_history,
-    hold_known,
-    judge_metric,
-    locate_extend,
+    judge_comparison,
     scenario_limits,
 )
-from evalsvc.matrix import SCENARIOS, Config, MatrixFile
-from evalsvc.metrics.kl import PositionKL, kl_by_position, token_kl_by_sample
+from evalsvc.matrix import Config
 from evalsvc.store import audit
 from evalsvc.store.audit import Actor
 from evalsvc.store.models import (
@@ -52,9 +50,7 @@ from evalsvc.store.models import (
     Verdict,
     utcnow,
 )
-from evalsvc.store.record import read_extends
 from evalsvc.thresholds import Limits, ThresholdsFile, load_thresholds
-from evalsvc.types import worst
 
 log = logging.getLogger("evalsvc.verdicts")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -220,149 +216,58 @@ def pooled_series(session: Session, run: Run, candidates: list[Run], scenarios: 
     return series
 
 
-def judge_pooled(session: Session, run: Run, candidates: list[Run], metric: str,
-                 samples: dict[tuple[str, str], dict[str, float]],
-                 thresholds: ThresholdsFile, known: KnownFailure | None = None
-                 ) -> Judgement | None:
-    """One metric over the run's conclusive scenarios together (the hit scenarios for KL, every
-    scenario with acceptance for it), when there are two or more: one defect acts in several, and
-    their samples pooled make the location test sharper. History only: fixed limits and the tail
-    test belong to each scenario's own verdict. ``known``: the pooled series' known failure."""
-    scenarios = [sc for sc in SCENARIOS if any(
-        r.scenario == sc and r.verdict in ("pass", "fail", "expected") for r in run.scenarios)
-        and (sc, metric) in samples and (metric == "accept_length" or sc in HIT_SCENARIOS)]
-    if len(scenarios) < 2:
-        return None
-    pooled = {f"{sc}/{sid}": v for sc in scenarios for sid, v in samples[(sc, metric)].items()}
-    limits = run_limits(run, POOLED, thresholds)
-    lim = getattr(limits, metric).model_copy(update={"max": None, "min": None, "tail": False})
-    limits = limits.model_copy(update={metric: lim, "bit_exact": False, "min_hit_coverage": 0.0})
-    j = judge_metric(POOLED, metric, float(np.mean(list(pooled.values()))), pooled, limits,
-                     pooled_series(session, run, candidates, scenarios, metric),
-                     thresholds.history)
-    if j is not None:
-        j.evidence["scenarios"] = scenarios
-        hold_known(j, known, limits)
-    return j
-
-
-def stored_extend(run: Run, scenario: str) -> PositionKL | None:
-    """A scenario's extend k3 by position, from the run's Parquet file; None when the file is not
-    here, or its logprobs are not usable."""
-    if not run.samples_path or not Path(run.samples_path).is_file():
-        return None
-    extends = read_extends(run.samples_path, scenario)
-    if extends is None:
-        return None
-    try:
-        ext = token_kl_by_sample(*extends)
-    except ValueError:
-        return None
-    return kl_by_position(ext.k3, ext.lengths)
-
-
-def run_job_spec(run: Run):
-    """The spec of a run's job (``jobs.spec.JobSpec``); None when its spec is none."""
+def run_engine(run: Run) -> str | None:
+    """The engine of a run's job (``jobs.spec.JobSpec.engine``); None when its spec is none."""
     from evalsvc.jobs.spec import job_spec  # the jobs package records runs with this module
 
-    return job_spec(run.job)
+    spec = job_spec(run.job)
+    return spec.engine if spec is not None else None
 
 
-def run_matrix(run: Run) -> MatrixFile | None:
-    """The matrix of a run's job, from its spec; None when the spec has none it can read."""
-    spec = run_job_spec(run)
-    return spec.matrix if spec is not None else None
+def stored_limits(run: Run, scenarios: Iterable[str],
+                  thresholds: ThresholdsFile | None = None) -> dict[str, Limits]:
+    """The limits a run is judged against, by scenario: those stored on it when it was planned
+    (``runs.limits``: ``judging.config_limits`` of its config, matrix and engine). A run without
+    them (recorded before migration 0009, or recorded without being planned) or without a
+    scenario's falls back to the rules of ``evalsvc/configs/thresholds.yaml`` for its matrix's
+    name, config, model and settings on its job's engine (``judging.scenario_limits`` with no
+    matrix file): the matrix file's own thresholds and accept floor, which only the stored limits
+    carry, are left out."""
+    stored = run.limits or {}
+    out: dict[str, Limits] = {}
+    for scenario in dict.fromkeys(scenarios):
+        if isinstance(stored.get(scenario), dict):
+            out[scenario] = Limits.model_validate(stored[scenario])
+            continue
+        config = Config(name=run.config, matrix=run.matrix, model=run.model,
+                        settings=run.settings or {}, args=run.requested_args or {},
+                        fingerprint=run.fingerprint, scenarios=())
+        out[scenario] = scenario_limits(config, None, scenario,
+                                        engine=run_engine(run),
+                                        thresholds=thresholds)
+    return out
 
 
-def run_limits(run: Run, scenario: str, thresholds: ThresholdsFile,
-               matrix: MatrixFile | None = None) -> Limits:
-    """The limits in force for a run's config and a scenario (``judging.scenario_limits``), on
-    the job's engine, with the job's matrix (``run_matrix`` unless given)."""
-    matrix = matrix if matrix is not None else run_matrix(run)
-    settings = run.settings or {}
-    config = Config(name=run.config, matrix=run.matrix, model=run.model, settings=settings,
-                    args=run.requested_args or {}, fingerprint=run.fingerprint, scenarios=(),
-                    accept_floor=(matrix.accept_floor(run.model, settings)
-                                  if matrix is not None else None))
-    spec = run_job_spec(run)
-    return scenario_limits(config, matrix, scenario, engine=spec.engine if spec else None,
-                           thresholds=thresholds)
-
-
-def judge_run(session: Session, run_id: int, thresholds: ThresholdsFile | None = None
-              ) -> list[Verdict]:
-    """Judge every metric of every scenario of a recorded run and store the verdicts (replacing
-    any it had). A history regression turns its scenario's verdict to fail; a scenario that fails
-    only as its series' known failures do is expected (``judging.after_history``)."""
+def run_history(session: Session, run: Run, scenarios: Iterable[str],
+                thresholds: ThresholdsFile | None = None) -> History:
+    """The history of a run's series, for ``judging.judge_run``: the baseline of each of
+    ``scenarios``' metrics (``baseline_series``), of each metric pooled over the scenarios that
+    may be pooled (``pooled_series``), the series' known failures, and the thresholds' history
+    settings. ``run``: its place in its series (build, finish time) set."""
     thresholds = thresholds or load_thresholds()
     hs = thresholds.history
-    run = session.get(Run, run_id)
-    session.execute(delete(Verdict).where(Verdict.run_id == run_id))
-    if run.status != "done":
-        return []
-    metrics: dict[str, dict[str, float | None]] = {}
-    for scen, name, value in session.execute(select(Metric.scenario, Metric.name, Metric.value)
-                                             .where(Metric.run_id == run_id)):
-        metrics.setdefault(scen, {})[name] = value
-    samples: dict[tuple[str, str], dict[str, float]] = {}
-    for row in session.execute(select(Sample.scenario, Sample.sample_id,
-                                      *(getattr(Sample, m) for m in METRICS))
-                               .where(Sample.run_id == run_id)):
-        for metric in METRICS:
-            v = getattr(row, metric)
-            if v is not None:
-                samples.setdefault((row.scenario, metric), {})[row.sample_id] = v
     candidates = earlier_runs(session, run, limit=3 * max(hs.window, hs.change_point_window))
-    known = known_failures(session, run)
-    out: list[Verdict] = []
-
-    def add(j: Judgement) -> None:
-        v = Verdict(run_id=run_id, scenario=j.scenario, metric=j.metric, verdict=j.verdict,
-                    method=j.method, value=j.value, baseline=j.baseline, diff_low=j.diff_low,
-                    diff_high=j.diff_high, threshold=j.threshold, p_value=j.p_value,
-                    evidence=j.evidence, reason=j.reason or None)
-        session.add(v)
-        out.append(v)
-
-    matrix = run_matrix(run)
-    for scen_row in run.scenarios:
-        m = metrics.get(scen_row.scenario)
-        if not m or scen_row.verdict == "error":
-            continue
-        limits = run_limits(run, scen_row.scenario, thresholds, matrix)
-        judged = []
+    names = list(dict.fromkeys(scenarios))
+    history = History(known=known_failures(session, run), settings=hs)
+    for scenario in names:
         for metric in METRICS:
-            series = baseline_series(session, run, candidates, scen_row.scenario, metric)
-            j = judge_metric(scen_row.scenario, metric, m.get(metric),
-                             samples.get((scen_row.scenario, metric), {}),
-                             limits, series, hs, coverage=m.get("hit_coverage"),
-                             exact_fraction=m.get("bit_exact_fraction"))
-            if j is not None and j.metric == "extend_kl_k3_mean" and j.verdict == "regression":
-                locate_extend(j, stored_extend(run, scen_row.scenario))
-            hold_known(j, known.get((scen_row.scenario, metric)), limits)
-            if j is not None:
-                add(j)
-                judged.append(j)
-        verdict, reason = after_history(scen_row.verdict, scen_row.reason, judged)
-        if verdict != scen_row.verdict:
-            scen_row.verdict, scen_row.reason = verdict, reason
-    reasons = [(s.scenario, s.verdict, s.reason) for s in run.scenarios]
-    pooled = []
+            history.series[(scenario, metric)] = baseline_series(session, run, candidates,
+                                                                 scenario, metric)
     for metric in METRICS:
-        j = judge_pooled(session, run, candidates, metric, samples, thresholds,
-                         known.get((POOLED, metric)))
-        if j is not None:
-            add(j)
-            if j.verdict in ("regression", "expected"):
-                pooled.append((POOLED, "fail" if j.verdict == "regression" else "expected",
-                               f"{', '.join(j.evidence['scenarios'])} together: {j.reason}"))
-    reasons.extend(pooled)
-    if reasons and run.verdict not in ("invalid", "cancelled"):
-        run.verdict, reason = worst(reasons)
-        if reason is not None:
-            run.reason = reason
-    session.flush()
-    return out
+        pooled = [sc for sc in names if metric == "accept_length" or sc in HIT_SCENARIOS]
+        if len(pooled) >= 2:
+            history.pooled[metric] = pooled_series(session, run, candidates, pooled, metric)
+    return history
 
 
 def track(session: Session, run: Run, verdicts: list[Verdict]) -> None:
@@ -419,17 +324,6 @@ def last_good_run(session: Session, run: Run, scenario: str, metric: str) -> int
     return None
 
 
-def judge_and_track(session: Session, run_id: int) -> list[Verdict]:
-    """Judge a recorded run (``judge_run``) and, when its job tracks them (``track`` in the job's
-    spec, as nightly jobs do), open and close its series' regressions (``track``)."""
-    verdicts = judge_run(session, run_id)
-    run = session.get(Run, run_id)
-    spec = run_job_spec(run)
-    if spec is not None and spec.track:
-        track(session, run, verdicts)
-    return verdicts
-
-
 def compare_builds(session: Session, baseline_build: int, contender_build: int,
                    metric: str = "kl_k3_mean", thresholds: ThresholdsFile | None = None
                    ) -> list[dict[str, Any]]:
@@ -446,7 +340,6 @@ def compare_builds(session: Session, baseline_build: int, contender_build: int,
 
     thresholds = thresholds or load_thresholds()
     rows = queries.compare(session, baseline_build, contender_build, metric=metric)
-    settings = thresholds.history.model_copy(update={"min_runs": 1})
     for row in rows:
         row.update(paired_verdict=None, paired_reason=None, paired_test=None, paired=None)
         if metric not in METRICS or row["contender"] is None or row["baseline"] is None:
@@ -462,12 +355,10 @@ def compare_builds(session: Session, baseline_build: int, contender_build: int,
         coverage = [v for v in session.scalars(select(Metric.value).where(
             Metric.run_id.in_([base.id, cont.id]), Metric.scenario == scenario,
             Metric.name == "hit_coverage")) if v is not None]
-        limits = run_limits(cont, scenario, thresholds)
-        lim = getattr(limits, metric).model_copy(update={"max": None, "min": None})
-        limits = limits.model_copy(update={metric: lim, "bit_exact": False})
-        j = judge_metric(scenario, metric, row["contender"], per_run[cont.id], limits,
-                         Series([base.id], [row["baseline"]], [per_run[base.id]]), settings,
-                         coverage=min(coverage) if coverage else None)
+        limits = stored_limits(cont, [scenario], thresholds)[scenario]
+        j = judge_comparison(scenario, metric, row["contender"], per_run[cont.id], base.id,
+                             row["baseline"], per_run[base.id], limits, thresholds.history,
+                             coverage=min(coverage) if coverage else None)
         if j is not None:
             row.update(paired_verdict=j.verdict, paired_reason=j.reason or None,
                        paired_test=j.evidence.get("test"),

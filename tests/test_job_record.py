@@ -1,7 +1,7 @@
 """A job recorded as it runs outside the service (``jobs.record.JobRecord``, what ``evalsvc run``
 and the detection benchmark use): its runs planned first, each recorded and judged as it ends
-through the service's own ``record_result``, and its end; and the harness judging a run against
-the limits of the job's engine, as ``verdicts.judge_run`` does."""
+through the service's own ``record_result``, and its end; and a run judged against the limits of
+its job's engine (``judging.config_limits``), as they are stored when it is planned."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import select
 
-from evalsvc.harness import decide
+from evalsvc import judging
 from evalsvc.jobs.record import JobRecord, end_job
 from evalsvc.matrix import Config, load_matrix
 from evalsvc.store import queries
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job, Run, Verdict
 from evalsvc.store.record import BuildRef, ensure_job
-from evalsvc.types import RunResult
+from evalsvc.types import RunResult, ScenarioResult
 from evalsvc.verdicts import triage_regression
 from tests.store.factories import fingerprint_of, job_spec, run_result
 
@@ -213,6 +213,17 @@ def test_an_errored_job_names_its_first_runs_and_counts_the_rest(db_url, engines
     assert "(m-0): m-0 refused; run " in error and "(m-2): m-2 refused; and 2 more" in error
     assert "m-3" not in error
     store.close()
+
+
+def decide(name: str, metrics: dict, cfg: Config, matrix, engine: str | None = None
+           ) -> tuple[str, str]:
+    """A scenario's verdict and reason, measured with ``metrics``, as its run is judged
+    (``judging.judge_run``, no history) against its limits on ``engine``."""
+    result = RunResult(cfg.name, cfg.fingerprint, cfg.model, dict(cfg.settings), dict(cfg.args),
+                       verdict="measured", scenarios=[ScenarioResult(name, "measured",
+                                                                     metrics=metrics)])
+    judging.judge_run(result, judging.config_limits(cfg, matrix, engine=engine))
+    return result.scenarios[0].verdict, result.scenarios[0].reason
 
 
 def test_the_harness_judges_on_the_runs_engine():

@@ -14,10 +14,12 @@ import pytest
 import evalsvc.metrics.kl as kl_mod
 import evalsvc.metrics.stats as stats_mod
 import tests.oracles.scoring as reference
+from evalsvc import judging
 from evalsvc.harness import score
+from evalsvc.matrix import Config, MatrixFile
 from evalsvc.metrics import summarize_kl, token_kl, token_kl_by_sample
 from evalsvc.scenarios import Sample
-from evalsvc.types import Completion, SpecCounters, TopLogprobs
+from evalsvc.types import Completion, RunResult, ScenarioResult, SpecCounters, TopLogprobs
 from tests.oracles.scoring import make_samples, scenario_config, straightforward_score
 
 
@@ -38,10 +40,19 @@ def same(a: Any, b: Any, where: str = "") -> None:
         assert type(a) is type(b) and a == b, (where, a, b)
 
 
+def judged(scen: ScenarioResult, config: Config, matrix: MatrixFile) -> ScenarioResult:
+    """A scenario ``score`` measured, judged as its run is (``judging.judge_run``, no history)."""
+    assert (scen.verdict, scen.reason) == ("measured", "")
+    run = RunResult(config.name, config.fingerprint, config.model, dict(config.settings),
+                    dict(config.args), verdict="measured", scenarios=[scen])
+    judging.judge_run(run, {scen.scenario: judging.scenario_limits(config, matrix, scen.scenario)})
+    return scen
+
+
 def check(samples: list[Sample], name: str = "prefill_hit") -> None:
     config, matrix = scenario_config()
     want = straightforward_score(name, samples, config, matrix, {})
-    got = score(name, samples, config, matrix, {})
+    got = judged(score(name, samples, config, matrix, {}), config, matrix)
     assert (got.scenario, got.verdict, got.reason) == (want.scenario, want.verdict, want.reason)
     same(got.metrics, want.metrics, "metrics")
     same(got.samples, want.samples, "rows")
@@ -125,7 +136,7 @@ def test_an_extend_wrong_at_its_first_position_fails_with_that_position_named() 
         s.extend_ids = s.prompt_ids[-32:]
     check(samples)
     config, matrix = scenario_config()
-    got = score("prefill_hit", samples, config, matrix, {})
+    got = judged(score("prefill_hit", samples, config, matrix, {}), config, matrix)
     assert got.verdict == "fail"
     assert got.reason.endswith("(k3 5 at extend position 0 of 32; positions 1+ at 0)")
     assert got.samples[0]["extend_ids"] == list(range(200, 232))

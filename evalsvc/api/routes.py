@@ -112,8 +112,10 @@ def read_job(job_id: JobId, session: SessionDep, shown: ShownDep) -> JobDetail:
     runs = [run_as_seen(r, shown) for r in job.pop("runs")]
     builds = list(dict.fromkeys(r["build_id"] for r in runs))
     comparison = None
-    if len(builds) == 2 and job["status"] == "done":
-        comparison = compare_builds(session, builds[0], builds[1])
+    if len(builds) == 2 and job["status"] == "done":  # judged when it ended (jobs.comparison)
+        comparison = session.get(Job, job_id).comparison
+        if comparison is None:  # a job that ended before migration 0009: judged as it is read
+            comparison = compare_builds(session, builds[0], builds[1])
     spec = stored_spec(job["spec"])
     return JobDetail(**job, matrix=spec.matrix_name if spec is not None else "",
                      runs=[RunProgress(**r) for r in runs],

@@ -36,7 +36,7 @@ from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Regression, Run
 from evalsvc.thresholds import load_thresholds
 from evalsvc.types import FINISHED_JOB_STATUSES
-from evalsvc.verdicts import compare_builds, run_limits
+from evalsvc.verdicts import compare_builds, stored_limits
 from evalsvc.web.auth import csrf_token
 from evalsvc.web.deps import SessionDep, ShownDep, current_user, require_read
 from evalsvc.web.params import JobId, RegressionId, RunId
@@ -137,9 +137,10 @@ def finite(value: float | None) -> float | None:
 
 
 def kl_threshold(session: Session, run_id: int) -> float | None:
-    """The fixed KL limit (kl_k3_mean, nats) a run's cold scenario is judged against
-    (``verdicts.run_limits``: its config on its job's engine and matrix); None when none."""
-    return run_limits(session.get(Run, run_id), "cold", load_thresholds()).kl_k3_mean.max
+    """The fixed KL limit (kl_k3_mean, nats) a run's cold scenario is judged against (the limits
+    stored on it when it was planned, ``verdicts.stored_limits``: its config on its job's engine
+    and matrix); None when none."""
+    return stored_limits(session.get(Run, run_id), ["cold"], load_thresholds())["cold"].kl_k3_mean.max
 
 
 # ---- overview ------------------------------------------------------------------------------

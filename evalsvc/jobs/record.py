@@ -1,22 +1,27 @@
-"""A job's runs in the store: planned before they run, and each finished run recorded and judged in
-one transaction. One way for the job service and ``evalsvc run``.
+"""A job's runs in the store: planned before they run (with the limits they are judged against),
+each finished run judged (``judging.judge_run``, with its history) and recorded in one
+transaction, and a job of two builds compared when it ends. One way for the job service and
+``evalsvc run``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
 from sqlalchemy import case, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from evalsvc.jobs.spec import JobSpec
-from evalsvc.matrix import Config
+from evalsvc import judging
+from evalsvc.jobs.spec import JobSpec, job_spec
+from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
 from evalsvc.store.db import Store
-from evalsvc.store.models import Job, Run, ScenarioRow, utcnow
+from evalsvc.store.models import Job, Run, Verdict, utcnow
 from evalsvc.store.record import (
     BuildRef,
     ensure_build,
@@ -25,8 +30,9 @@ from evalsvc.store.record import (
     record_run,
     write_samples_parquet,
 )
-from evalsvc.types import RunResult, worst
-from evalsvc.verdicts import judge_and_track
+from evalsvc.thresholds import Limits, ThresholdsFile
+from evalsvc.types import RunResult
+from evalsvc.verdicts import compare_builds, run_history, stored_limits, track
 
 log = logging.getLogger("evalsvc.jobs")
 
@@ -38,11 +44,18 @@ class PlannedRun(NamedTuple):
     config: Config
 
 
-def plan_build_runs(store: Store, job_id: str, ref: BuildRef, matrix: str, configs: list[Config],
-                    check: Callable[[], None] | None = None) -> list[PlannedRun]:
+def plan_build_runs(store: Store, job_id: str, ref: BuildRef, matrix: MatrixFile | str,
+                    configs: list[Config], check: Callable[[], None] | None = None, *,
+                    engine: str | None = None, thresholds: ThresholdsFile | None = None
+                    ) -> list[PlannedRun]:
     """The runs of ``configs`` on one build of a job, planned in one transaction (pending; a run
-    the job has already is found, whatever its status), in order. ``check()`` is called before
-    each config (the service's cancel)."""
+    the job has already is found, whatever its status), in order, each with the limits it is
+    judged against (``judging.config_limits`` on ``engine``, default the matrix's; ``matrix``: a
+    name alone gives the thresholds' rules without the matrix file's own thresholds). ``check()``
+    is called before each config (the service's cancel)."""
+    name = matrix if isinstance(matrix, str) else matrix.name
+    file = None if isinstance(matrix, str) else matrix
+
     def planned(s) -> list[PlannedRun]:
         job = s.get(Job, job_id)
         build = ensure_build(s, ref)
@@ -50,30 +63,63 @@ def plan_build_runs(store: Store, job_id: str, ref: BuildRef, matrix: str, confi
         for cfg in configs:
             if check is not None:
                 check()
-            run = plan_run(s, job, build, matrix, cfg)
+            limits = judging.config_limits(cfg, file, engine=engine, thresholds=thresholds)
+            run = plan_run(s, job, build, name, cfg, limits)
             out.append(PlannedRun(run.id, build.id, run.status, cfg))
         return out
 
     return store.write(planned, f"job {job_id}: its runs planned")
 
 
+def judged_copy(result: RunResult) -> RunResult:
+    """``result`` with scenarios of its own (their metrics and samples shared), to judge."""
+    return replace(result, scenarios=[replace(s) for s in result.scenarios])
+
+
+def hand_back(result: RunResult, judged: RunResult) -> None:
+    """``judged``'s verdicts and reasons (run and scenarios) set on ``result``."""
+    result.verdict, result.reason = judged.verdict, judged.reason
+    for scen, j in zip(result.scenarios, judged.scenarios, strict=True):
+        scen.verdict, scen.reason = j.verdict, j.reason
+
+
 def record_result(store: Store, results_dir: Path, job_id: str, run_id: int,
-                  result: RunResult) -> str | None:
-    """Record a finished run with its samples (``results_dir/JOB/RUN.parquet``) and its verdicts,
-    in one transaction; regressions are tracked when the job asks (``track``). A write that fails
+                  result: RunResult, thresholds: ThresholdsFile | None = None) -> str | None:
+    """Judge a finished run and record it with its samples (``results_dir/JOB/RUN.parquet``) and
+    its verdicts, in one transaction: ``judging.judge_run`` on the result as the harness measured
+    it, against the limits stored on the run when it was planned (``verdicts.stored_limits``)
+    and the history of its series (``verdicts.run_history``), before its rows are written;
+    regressions are tracked when the job asks (``track``). Once recorded, the judged verdicts are
+    handed back on ``result`` (what ``evalsvc run`` prints and exits with). A write that fails
     (its samples file, the store) fails the run instead, the error on the run where the store
-    takes it; returns that error, None when recorded."""
+    takes it, and leaves ``result`` as it was; returns that error, None when recorded.
+    ``thresholds``: for the history settings (default ``evalsvc/configs/thresholds.yaml``)."""
     target = inside(results_dir, job_id, f"{run_id}.parquet")
     try:
         path = write_samples_parquet(result, target)
     except OSError as exc:  # a full disk, a file where a folder should be
         return fail_run(store, run_id, f"its samples could not be written to {target}: "
                                        f"{describe(exc)}")
+    judged: list[RunResult] = []
 
-    def recorded(s) -> None:  # the run and its verdicts in one transaction
+    def recorded(s) -> None:  # judged, then the run and its verdicts, in one transaction
         run = s.get(Run, run_id)
-        record_run(s, run.job, run.build, run.matrix, result, path)
-        judge_and_track(s, run_id)
+        run.finished_at = utcnow()  # its place in its series (verdicts.order_key)
+        copy = judged_copy(result)  # judged afresh on each try: ``result`` stays as measured
+        names = [sc.scenario for sc in copy.scenarios if sc.verdict in judging.JUDGED]
+        history = None
+        if copy.verdict != "cancelled":  # a cancelled run is judged on its fixed limits only
+            history = run_history(s, run, [sc.scenario for sc in copy.scenarios
+                                           if sc.verdict in judging.JUDGED and sc.metrics],
+                                  thresholds)
+        judgements = judging.judge_run(copy, stored_limits(run, [*names, judging.POOLED],
+                                                           thresholds), history)
+        record_run(s, run.job, run.build, run.matrix, copy, path, judgements)
+        spec = job_spec(run.job)
+        if spec is not None and spec.track:
+            track(s, run, list(s.scalars(select(Verdict).where(Verdict.run_id == run.id)
+                                         .order_by(Verdict.id))))
+        judged[:] = [copy]
 
     try:  # a lost connection is retried first (the database server restarting)
         store.write(recorded, f"run {run_id}: its record")
@@ -81,6 +127,7 @@ def record_result(store: Store, results_dir: Path, job_id: str, run_id: int,
         if path is not None:
             path.unlink(missing_ok=True)
         return fail_run(store, run_id, f"it could not be recorded in the store: {describe(exc)}")
+    hand_back(result, judged[0])
     return None
 
 
@@ -114,8 +161,9 @@ def end_job(session, job_id: str, status: str, error: str | None
     (``cancel_requested_at``, which a cancel writes only while the job runs) ends cancelled
     whatever ``status`` says: the store decides, so a cancel answered ``cancelling`` and the
     runner's end cannot disagree. A job ``done`` whose every run ended ``error`` is ``failed``
-    instead, its error naming them (``all_errored``). Returns the status and error written
-    (None, None if the job was not running)."""
+    instead, its error naming them (``all_errored``). A job of two builds that ends done is
+    compared (``store_comparison``). Returns the status and error written (None, None if the job
+    was not running)."""
     cancel_pending(session, job_id)
     session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
                     .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
@@ -131,7 +179,49 @@ def end_job(session, job_id: str, status: str, error: str | None
                 error=case((asked, None), else_=error), finished_at=utcnow())).rowcount
     if not ended:
         return None, None
-    return tuple(session.execute(select(Job.status, Job.error).where(Job.id == job_id)).one())
+    written = tuple(session.execute(select(Job.status, Job.error).where(Job.id == job_id)).one())
+    if written[0] == "done":
+        store_comparison(session, job_id)
+    return written
+
+
+def job_build_ids(session, job_id: str) -> list[int]:
+    """The builds of a job's runs, in the order of its runs (as ``queries.job_detail`` lists
+    them)."""
+    return list(dict.fromkeys(session.scalars(select(Run.build_id).where(Run.job_id == job_id)
+                                              .order_by(Run.id))))
+
+
+def store_comparison(session, job_id: str) -> None:
+    """A job of two builds that ended done: its comparison (the first build the baseline, the
+    second the contender: ``verdicts.compare_builds``), judged once and stored on the job
+    (``jobs.comparison``), which its readers serve. A comparison that cannot be judged is logged
+    and left out (NULL: judged when read), never keeping the job from ending."""
+    builds = job_build_ids(session, job_id)
+    if len(builds) != 2:
+        return
+    try:
+        rows = compare_builds(session, builds[0], builds[1])
+    except SQLAlchemyError:
+        raise  # the store's: the job's end is written again (JobService._finish)
+    except Exception:  # never a job left unended for its comparison: judged when read instead
+        log.exception("job %s: its comparison could not be judged", job_id)
+        return
+    session.execute(update(Job).where(Job.id == job_id).values(comparison=json_safe(rows)))
+
+
+def json_safe(value):
+    """``value`` as JSON every store takes: NumPy scalars as Python's, a non-finite float as None
+    (PostgreSQL's JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, str | bytes):  # a NumPy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 SHOWN_ERRORS = 3  # runs an all-errored job's error names
@@ -152,25 +242,37 @@ def all_errored(session, job_id: str) -> str | None:
 
 class JobRecord:
     """A job that runs outside the service (``evalsvc run``), in the store as it runs: the job and
-    its runs planned when it starts, each run recorded and judged as it ends (``record_result``),
-    and the job's end when it stops: done, failed naming the runs that could not be recorded (or
-    every run, when all errored), or cancelled when it stopped before its runs ended (Ctrl-C)."""
+    its runs planned when it starts, each run judged and recorded as it ends (``record_result``,
+    which hands the judged verdicts back on the result: what ``evalsvc run`` prints and exits
+    with), and the job's end when it stops: done, failed naming the runs that could not be
+    recorded (or every run, when all errored), or cancelled when it stopped before its runs ended
+    (Ctrl-C). A run that could not be recorded is judged without history, against its planned
+    limits."""
 
-    def __init__(self, store: Store, results_dir: Path, job_id: str, runs: dict[str, int]) -> None:
+    def __init__(self, store: Store, results_dir: Path, job_id: str, runs: dict[str, int],
+                 limits: dict[str, dict[str, Limits]] | None = None) -> None:
         self.store, self.results_dir, self.job_id = store, results_dir, job_id
         self.run_ids = list(runs.values())  # in the order of the configs
         self.runs = runs  # fingerprint -> run id, of the runs not recorded yet
+        self.limits = limits or {}  # fingerprint -> its limits, by scenario
         self.failures: list[str] = []
         self.unrecorded: set[str] = set()  # names of the configs whose run could not be recorded
 
     @classmethod
     def start(cls, store: Store, results_dir: Path, job_id: str, trigger: str, ref: BuildRef,
-              matrix: str, configs: list[Config], spec: JobSpec | dict) -> JobRecord:
-        """``spec``: the job's, as ``JobSpec.stored()`` stores it (``jobs.spec``)."""
+              matrix: MatrixFile | str, configs: list[Config], spec: JobSpec | dict
+              ) -> JobRecord:
+        """The job (``spec``: its ``JobSpec``, or as ``JobSpec.stored()`` stores it) and its runs
+        planned, judged on the spec's ``engine`` against ``matrix`` (its name alone: the
+        thresholds' rules without the matrix file's own thresholds)."""
         stored = spec.stored() if isinstance(spec, JobSpec) else spec
         store.write(lambda s: ensure_job(s, job_id, trigger, stored), f"job {job_id}: its start")
-        planned = plan_build_runs(store, job_id, ref, matrix, configs)
-        return cls(store, results_dir, job_id, {p.config.fingerprint: p.run_id for p in planned})
+        engine = stored.get("engine")
+        planned = plan_build_runs(store, job_id, ref, matrix, configs, engine=engine)
+        file = None if isinstance(matrix, str) else matrix
+        return cls(store, results_dir, job_id, {p.config.fingerprint: p.run_id for p in planned},
+                   {c.fingerprint: judging.config_limits(c, file, engine=engine)
+                    for c in configs})
 
     def record(self, config: Config, result: RunResult) -> None:
         run_id = self.runs.pop(config.fingerprint)
@@ -178,12 +280,9 @@ class JobRecord:
         if failure is not None:
             self.failures.append(failure)
             self.unrecorded.add(config.name)
-        else:
-            self.known_failures(run_id, result)
-
-    def known_failures(self, run_id: int, result: RunResult) -> None:
-        """``known_failures`` of this job's store."""
-        known_failures(self.store, run_id, result)
+            limits = self.limits.get(config.fingerprint)
+            if limits is not None:
+                judging.judge_run(result, limits)
 
     def finish(self) -> str:
         """Write the job's end; returns its status (``end_job``: failed when every run errored)."""
@@ -192,23 +291,6 @@ class JobRecord:
         written, _ = self.store.write(lambda s: end_job(s, self.job_id, status, error),
                                       f"job {self.job_id}: its end")
         return written or status
-
-
-def known_failures(store: Store, run_id: int, result: RunResult) -> None:
-    """The scenarios the store judged to fail as known failures do (``expected``) are expected in
-    ``result`` too, and its verdict with them: what ``evalsvc run`` prints and exits with."""
-    with store.session() as s:
-        known = dict(s.execute(select(ScenarioRow.scenario, ScenarioRow.reason).where(
-            ScenarioRow.run_id == run_id, ScenarioRow.verdict == "expected")).all())
-    if not known:
-        return
-    for scen in result.scenarios:
-        if scen.scenario in known:
-            scen.verdict, scen.reason = "expected", known[scen.scenario] or ""
-    if result.verdict in ("pass", "fail"):
-        result.verdict, reason = worst((s.scenario, s.verdict, s.reason)
-                                       for s in result.scenarios)
-        result.reason = reason or ""
 
 
 def describe(exc: BaseException) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from evalsvc import judging
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec, engine_command
 from evalsvc.jobs.builds import ReadyBuild
@@ -145,7 +146,8 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
         configs = (options.configs if options.configs is not None
                    else plan_runs(matrix, engine, version, spec.configs, strict=False))
         if store is not None:
-            planned = plan_build_runs(store, job_id, ref, matrix.name, configs, check=check)
+            planned = plan_build_runs(store, job_id, ref, matrix, configs, check=check,
+                                      engine=spec.engine)
         else:  # nothing stored: the runs are numbered in the job
             planned = [PlannedRun(len(planned_all) + n, 0, "pending", c)
                        for n, c in enumerate(configs)]
@@ -182,7 +184,7 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
         if options.cancelled():  # a cancel that came while its runs were handed over
             dispatcher.cancel_job(job_id)
         for p, task, fut in futures:
-            _collect(job_id, p, task, fut, store, options, outcome)
+            _collect(job_id, spec, p, task, fut, store, options, outcome)
     except BaseException:
         dispatcher.cancel_job(job_id)  # no run of it goes on without the job
         raise
@@ -195,7 +197,7 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
     return outcome
 
 
-def _collect(job_id: str, p: PlannedRun, task: RunTask | None, fut: Future,
+def _collect(job_id: str, spec: JobSpec, p: PlannedRun, task: RunTask | None, fut: Future,
              store: Store | None, options: RunOptions, outcome: JobOutcome) -> None:
     """Wait for one run and record it (``record_result``), or its failure."""
     try:
@@ -221,11 +223,13 @@ def _collect(job_id: str, p: PlannedRun, task: RunTask | None, fut: Future,
                 s.get(Run, p.run_id).status = "pending"
         return
     failure = None
-    if store is not None:
+    if store is not None:  # judged there, with its history, and the verdicts handed back
         failure = record_result(store, options.results_dir, job_id, p.run_id, result)
         if failure is not None:
             outcome.failures.append(failure)
             outcome.unrecorded.add(p.config.name)
+    if store is None or failure is not None:  # nothing stored: judged on its fixed limits
+        judging.judge_run(result, judging.config_limits(p.config, spec.matrix, engine=spec.engine))
     outcome.results.append(result)
     if options.on_result is not None:
         options.on_result(p, result, failure)

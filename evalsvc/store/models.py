@@ -99,6 +99,9 @@ class Job(Base):
     # times the runner took the job up: a job found running after as many restarts is failed
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # while running
+    # a job of two builds: their comparison, judged when the job ended done
+    # (``verdicts.compare_builds``' rows); None for other jobs, and those ended before 0009
+    comparison: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     runs: Mapped[list[Run]] = relationship(back_populates="job")
 
 
@@ -126,6 +129,9 @@ class Run(Base):
     seconds: Mapped[float | None] = mapped_column(Float)
     log_path: Mapped[str | None] = mapped_column(String(1000))
     samples_path: Mapped[str | None] = mapped_column(String(1000))
+    # the limits it is judged against, by scenario (``Limits`` dumped), written when it is planned
+    # (``judging.config_limits``); None for runs from before 0009 (``verdicts.stored_limits``)
+    limits: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     job: Mapped[Job] = relationship(back_populates="runs")

@@ -13,11 +13,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from evalsvc.judging import Judgement
 from evalsvc.store.db import Store
-from evalsvc.store.models import Build, Commit, Job, Metric, Run, Sample, ScenarioRow, utcnow
+from evalsvc.store.models import (
+    Build,
+    Commit,
+    Job,
+    Metric,
+    Run,
+    Sample,
+    ScenarioRow,
+    Verdict,
+    utcnow,
+)
+from evalsvc.thresholds import Limits
 from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, RunResult
 
 # scenario metrics whose interval and sample count go on the row of their mean
@@ -134,22 +146,11 @@ def write_samples_parquet(result: RunResult, path: Path) -> Path | None:
     return path
 
 
-def read_extends(path: str | Path, scenario: str) -> tuple[list[Any], list[Any]] | None:
-    """A scenario's extends from a run's Parquet file (``write_samples_parquet``): both sides'
-    logprobs per sample, in file order; None when the file is not here or predates them."""
-    import pandas as pd
-    import pyarrow as pa
-
-    columns = ["extend_logprobs", "extend_reference_logprobs"]
-    try:
-        df = pd.read_parquet(path, columns=columns, filters=[("scenario", "==", scenario)])
-    except (OSError, ValueError, pa.ArrowException):
-        return None
-    return list(df[columns[0]]), list(df[columns[1]])
-
-
 def record_run(session: Session, job: Job, build: Build, matrix: str, result: RunResult,
-               samples_path: Path | None) -> Run:
+               samples_path: Path | None, judgements: list[Judgement] | None = None) -> Run:
+    """Write a run (``result``, as judged: ``judging.judge_run``) with its scenarios, metrics
+    and samples, and its verdicts (``judgements``, replacing those it had; None: it keeps
+    them)."""
     run = session.scalar(select(Run).where(Run.job_id == job.id, Run.build_id == build.id,
                                            Run.fingerprint == result.fingerprint))
     if run is None:
@@ -181,11 +182,28 @@ def record_run(session: Session, job: Job, build: Build, matrix: str, result: Ru
             run.samples.append(Sample(scenario=s.scenario, sample_id=row["sample_id"],
                                       **{k: row.get(k) for k in SAMPLE_FIELDS}))
     session.flush()
+    if judgements is not None:
+        write_verdicts(session, run, judgements)
     return run
 
 
-def plan_run(session: Session, job: Job, build: Build, matrix: str, config) -> Run:
-    """A pending run of a config (a ``matrix.Config``) in a job, unless the job has it already."""
+def write_verdicts(session: Session, run: Run, judgements: list[Judgement]) -> list[Verdict]:
+    """A run's metric verdicts (``judging.judge_run``'s judgements), replacing any it had."""
+    session.execute(delete(Verdict).where(Verdict.run_id == run.id))
+    rows = [Verdict(run_id=run.id, scenario=j.scenario, metric=j.metric, verdict=j.verdict,
+                    method=j.method, value=j.value, baseline=j.baseline, diff_low=j.diff_low,
+                    diff_high=j.diff_high, threshold=j.threshold, p_value=j.p_value,
+                    evidence=j.evidence, reason=j.reason or None) for j in judgements]
+    session.add_all(rows)
+    session.flush()
+    return rows
+
+
+def plan_run(session: Session, job: Job, build: Build, matrix: str, config,
+             limits: dict[str, Limits] | None = None) -> Run:
+    """A pending run of a config (a ``matrix.Config``) in a job, unless the job has it already;
+    ``limits``: what it is judged against, by scenario (``judging.config_limits``), stored on it
+    (``runs.limits``; a run the job had already keeps its own)."""
     run = session.scalar(select(Run).where(Run.job_id == job.id, Run.build_id == build.id,
                                            Run.fingerprint == config.fingerprint))
     if run is None:
@@ -194,7 +212,9 @@ def plan_run(session: Session, job: Job, build: Build, matrix: str, config) -> R
                   settings=dict(config.settings), requested_args=dict(config.args),
                   status="pending")
         session.add(run)
-        session.flush()
+    if limits is not None and run.limits is None:
+        run.limits = {name: lim.model_dump(mode="json") for name, lim in limits.items()}
+    session.flush()
     return run
 
 

@@ -381,20 +381,18 @@ def test_a_known_failure_triaged_with_its_link_shows_as_expected_on_the_pages(tm
     the next commit's run is expected there: on the overview and the job page the scenario's
     verdict is expected, not pass, with the regression and the link beside it."""
     from evalsvc.alerts import collect
-    from evalsvc.store.record import record_results
-    from evalsvc.verdicts import judge_and_track
+    from tests.store.factories import record_judged
 
     link = "https://github.com/sgl-project/sglang/pull/29068"
     store = Store(db_url)
     spec = job_spec(engine="embedded", track=True)
 
     def nightly(i: int) -> int:
-        [run_id] = record_results(
-            store, job_id=f"n{i}", trigger="nightly", spec=spec,
-            build=build_ref(f"c{i}", hours=i), matrix="smoke", results_dir=tmp_path / "results",
-            results=[run_result(CONFIG, {"cold": [1e-13, 2e-13], "prefill_hit": [0.05, 0.06]})])
-        with store.session() as s:
-            judge_and_track(s, run_id)
+        run_id = record_judged(
+            store, tmp_path / "results", job_id=f"n{i}", trigger="nightly", spec=spec,
+            build=build_ref(f"c{i}", hours=i), matrix="smoke",
+            result=run_result(CONFIG, {"cold": [1e-13, 2e-13], "prefill_hit": [0.05, 0.06]}))
+        with store.session() as s:  # judged and tracked where it was recorded
             collect(s, f"n{i}")
         return run_id
 

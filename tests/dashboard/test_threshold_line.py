@@ -1,5 +1,6 @@
 """The overview's KL limit line is the limit a run was judged against: its config on its job's
-engine and matrix (``verdicts.run_limits``), not the matrix file of the same name today."""
+engine and matrix, stored when it was planned (``verdicts.stored_limits``), not the matrix file
+of the same name today."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from datetime import UTC, datetime
 
 from evalsvc.dashboard.views import kl_threshold
 from evalsvc.jobs.record import JobRecord
-from evalsvc.matrix import load_matrix
+from evalsvc.matrix import MatrixFile, load_matrix
 from evalsvc.store.db import Store
 from evalsvc.store.record import BuildRef
 from tests.store.factories import job_spec, run_result
@@ -25,8 +26,9 @@ def test_the_limit_line_follows_the_jobs_engine_and_matrix(db_url, engines, tmp_
         "on-sglang": {"matrix": smoke, "engine": "sglang"},  # the same matrix on SGLang
         "own-limit": {"matrix": {**smoke, "thresholds": {"kl_k3_mean": 2e-3}}, "engine": "sglang"},
     }.items():
-        record = JobRecord.start(store, tmp_path / "results", job_id, "cli", ref, "smoke",
-                                 [config("m-eb")], spec=job_spec(**spec))
+        record = JobRecord.start(store, tmp_path / "results", job_id, "cli", ref,
+                                 MatrixFile.model_validate(spec["matrix"]), [config("m-eb")],
+                                 spec=job_spec(**spec))
         record.record(config("m-eb"), run_result("m-eb", {"cold": [1e-9] * 2}))
         record.finish()
         with store.session() as s:

@@ -95,9 +95,8 @@ def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | Non
     record = JobRecord.start(
         store, work / "results", f"{label}-{seed}", "cli",
         BuildRef(f"bench/{spec.kind}", version=label, committed_at=START + timedelta(days=day)),
-        matrix.name, cfgs, spec=JobSpec(matrix_name=matrix.name, matrix=matrix,
-                                        engine=spec.kind, builds=[BuildSpec()],
-                                        track=track).stored())
+        matrix, cfgs, spec=JobSpec(matrix_name=matrix.name, matrix=matrix, engine=spec.kind,
+                                   builds=[BuildSpec()], track=track).stored())
     try:
         evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True), engines=engines,
                  on_result=record.record)

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from evalsvc import metrics
-from evalsvc.harness import DIVERGENCE_TOL, decide
+from evalsvc import judging, metrics
+from evalsvc.harness import DIVERGENCE_TOL
 from evalsvc.matrix import Config, MatrixFile, expand, load_matrix
 from evalsvc.metrics.kl import _check_logprob_values, _topk_kl_chunk
 from evalsvc.metrics.stats import PERCENTILES
@@ -112,7 +112,10 @@ def straightforward_score(name: str, samples: list[Sample], config: Config, matr
     for e in per_sample_extend:
         by_position.sums[: len(e)] += e
         by_position.counts[: len(e)] += 1
-    verdict, reason = decide(name, m, config, matrix, extend=by_position)
+    # judged on its fixed limits, the extend placed by its own profile (``harness.score`` leaves
+    # it measured: ``tests/test_scoring.py`` judges it with ``judging.judge_run``)
+    verdict, reason = judging.judge_scenario(name, m, judging.scenario_limits(config, matrix, name),
+                                             uses_mtp=config.uses_mtp, extend=by_position)
     return ScenarioResult(name, verdict, reason, m, rows)
 
 

@@ -12,6 +12,8 @@ import numpy as np
 from sqlalchemy import func, select
 
 from evalsvc.jobs.builds import made_build_ref
+from evalsvc.jobs.record import end_job, plan_build_runs, record_result
+from evalsvc.matrix import Config
 from evalsvc.metrics import summarize_kl
 from evalsvc.store.db import Store
 from evalsvc.store.models import (
@@ -24,7 +26,8 @@ from evalsvc.store.models import (
     Sample,
     ScenarioRow,
 )
-from evalsvc.store.record import BuildRef, record_results
+from evalsvc.store.record import BuildRef, ensure_job, record_results
+from evalsvc.thresholds import ThresholdsFile
 from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, RunResult, SampleRow, ScenarioResult
 
 TABLES = {"commits": Commit, "builds": Build, "jobs": Job, "runs": Run, "scenarios": ScenarioRow,
@@ -139,6 +142,26 @@ def record(store: Store, results_dir: Path, job_id: str, build: BuildRef, result
            matrix: str = "smoke") -> list[int]:
     return record_results(store, job_id=job_id, trigger="cli", spec={"matrix": matrix},
                           build=build, matrix=matrix, results=results, results_dir=results_dir)
+
+
+def record_judged(store: Store, results_dir: Path, *, job_id: str, trigger: str,
+                  spec: dict[str, Any], build: BuildRef, matrix: str, result: RunResult,
+                  thresholds: ThresholdsFile | None = None) -> int:
+    """A job of one run, as the service records it (``jobs.record``): the run planned with its
+    limits (on the spec's engine; ``matrix`` a name: the thresholds' rules, ``thresholds``'
+    when given), then judged with its history and recorded (``record_result``: regressions
+    tracked when the spec asks), and the job's end. Returns the run's id."""
+    store.write(lambda s: ensure_job(s, job_id, trigger, spec), f"job {job_id}: its start")
+    config = Config(name=result.config, matrix=matrix, model=result.model,
+                    settings=dict(result.settings), args=dict(result.requested_args),
+                    fingerprint=result.fingerprint,
+                    scenarios=tuple(s.scenario for s in result.scenarios))
+    [planned] = plan_build_runs(store, job_id, build, matrix, [config],
+                                engine=spec.get("engine"), thresholds=thresholds)
+    failure = record_result(store, results_dir, job_id, planned.run_id, result, thresholds)
+    assert failure is None, failure
+    store.write(lambda s: end_job(s, job_id, "done", None), f"job {job_id}: its end")
+    return planned.run_id
 
 
 def counts(store: Store) -> dict[str, int]:

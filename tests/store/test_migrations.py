@@ -216,6 +216,39 @@ def test_0008_adds_the_revoked_sessions_and_keeps_what_was_stored(db_url, engine
         assert conn.execute(text("SELECT id FROM jobs")).scalars().all() == ["old"]
 
 
+def test_0009_adds_the_stored_limits_and_comparison_and_keeps_what_was_stored(db_url, engines):
+    """A store at 0008 with a job and its run: 0009 adds runs.limits and jobs.comparison, NULL on
+    what was stored (read with their fallbacks), and takes them for new rows; down again, the
+    columns go and the rows stay."""
+    upgrade(db_url, "0008")
+    engine = make_engine(db_url)
+    engines.append(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO jobs (id, trigger, status, priority, spec, created_at, "
+                          "attempts) VALUES ('old', 'api', 'done', 0, '{}', CURRENT_TIMESTAMP, 0)"))
+        conn.execute(text("INSERT INTO commits (id, ref, repository) VALUES (1, 'r@a', 'r')"))
+        conn.execute(text("INSERT INTO builds (id, commit_id, patch_set, created_at) "
+                          "VALUES (1, 1, '', CURRENT_TIMESTAMP)"))
+        conn.execute(text("INSERT INTO runs (id, job_id, build_id, config, matrix, model, "
+                          "fingerprint, settings, requested_args, status, verdict, created_at) "
+                          "VALUES (7, 'old', 1, 'c', 'smoke', 'm', 'fp', '{}', '{}', 'done', "
+                          "'pass', CURRENT_TIMESTAMP)"))
+    upgrade(db_url)
+    columns = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in ("runs", "jobs")}
+    assert "limits" in columns["runs"] and "comparison" in columns["jobs"]
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT limits FROM runs WHERE id = 7")).scalar() is None
+        assert conn.execute(text("SELECT comparison FROM jobs WHERE id = 'old'")).scalar() is None
+        conn.execute(text("UPDATE runs SET limits = '{\"cold\": {}}' WHERE id = 7"))
+        conn.execute(text("UPDATE jobs SET comparison = '[]' WHERE id = 'old'"))
+    downgrade(db_url, "0008")
+    columns = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in ("runs", "jobs")}
+    assert "limits" not in columns["runs"] and "comparison" not in columns["jobs"]
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT id FROM jobs")).scalars().all() == ["old"]
+        assert conn.execute(text("SELECT id, verdict FROM runs")).all() == [(7, "pass")]
+
+
 def test_0010_gives_the_jobs_of_evalsvc_run_the_job_spec_shape(db_url, engines):
     """A store at 0008 with jobs of ``evalsvc run`` in its old shapes (the matrix as run, and by
     its name only) and a job of the service: after 0010 every spec validates as a JobSpec, the

@@ -4,7 +4,6 @@ the alerts they make (one per job and kind)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 from sqlalchemy import select
@@ -12,21 +11,16 @@ from sqlalchemy import select
 from evalsvc.alerts import collect
 from evalsvc.store.models import Alert, Regression, Run, ScenarioRow, Verdict
 from evalsvc.store.record import record_results
-from evalsvc.verdicts import judge_run, track, triage_regression
-from tests.store.factories import build_ref, job_spec, run_result
+from evalsvc.verdicts import triage_regression
+from tests.store.factories import build_ref, job_spec, record_judged, run_result
 
 
 def record(store, tmp_path, job_id, sha, hours, kls, track_it=True):
     result = run_result("mamba2-eb-ov-c64", {"prefill_hit": kls})
     spec = job_spec(engine="embedded", track=track_it)
-    [run_id] = record_results(store, job_id=job_id, trigger="nightly", spec=spec,
-                              build=build_ref(sha, hours=hours), matrix="smoke", results=[result],
-                              results_dir=tmp_path)
-    with store.session() as s:
-        verdicts = judge_run(s, run_id)
-        run = s.get(Run, run_id)
-        if track_it:
-            track(s, run, verdicts)
+    run_id = record_judged(store, tmp_path, job_id=job_id, trigger="nightly", spec=spec,
+                           build=build_ref(sha, hours=hours), matrix="smoke", result=result)
+    with store.session() as s:  # judged and tracked (track_it) where it was recorded
         collect(s, job_id, "http://dash")
     return run_id
 
@@ -145,14 +139,9 @@ def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path
 
     def run(sha, hours, factor):
         kls = {s: list(v * factor * np.exp(rng.normal(0, 0.8, 12))) for s, v in level.items()}
-        [run_id] = record_results(store, job_id=f"job-{sha}", trigger="nightly", spec=spec,
-                                  build=build_ref(sha, hours=hours), matrix="gpu",
-                                  results=[run_result("gdn-nb-sync-c64", kls)],
-                                  results_dir=tmp_path)
-        with store.session() as s:
-            verdicts = judge_run(s, run_id, limits)
-            track(s, s.get(Run, run_id), verdicts)
-        return run_id
+        return record_judged(store, tmp_path, job_id=f"job-{sha}", trigger="nightly", spec=spec,
+                             build=build_ref(sha, hours=hours), matrix="gpu",
+                             result=run_result("gdn-nb-sync-c64", kls), thresholds=limits)
 
     for i in range(5):
         run(f"base{i}", i, 1.0)
@@ -172,8 +161,8 @@ def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path
 
 
 def test_a_run_judged_from_the_store_says_where_its_extend_fails(store, tmp_path):
-    """The extend's verdict is judged again from the store: its reason names the positions, read
-    from the run's Parquet file; without the file it keeps the plain reason."""
+    """The extend's verdict, judged where the run is recorded: its reason names the positions,
+    read from the samples' extend logprobs; without them it keeps the plain reason."""
     result = run_result("mamba2-eb-ov-c64", {"prefill_hit": [1e-13] * 4})
     [scen] = result.scenarios
     for i, row in enumerate(scen.samples):
@@ -186,25 +175,23 @@ def test_a_run_judged_from_the_store_says_where_its_extend_fails(store, tmp_path
                    extend_kl_k3_mean=0.1, extend_kl_k3_max=2.05)
     scen.metrics["extend_kl_k3_mean"] = 0.1
     spec = job_spec(engine="embedded")
-    [run_id] = record_results(store, job_id="ext", trigger="api", spec=spec,
-                              build=build_ref("e1"), matrix="smoke", results=[result],
-                              results_dir=tmp_path)
 
-    def judged() -> Verdict:
+    def judged(job_id: str) -> Verdict:
+        run_id = record_judged(store, tmp_path, job_id=job_id, trigger="api", spec=spec,
+                               build=build_ref("e1"), matrix="smoke", result=result)
         with store.session() as s:
-            judge_run(s, run_id)
             v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
                                                 Verdict.metric == "extend_kl_k3_mean")).one()
             s.expunge(v)
             return v
 
-    v = judged()
+    v = judged("ext")
     assert (v.verdict, v.method) == ("regression", "threshold")
     assert v.reason == ("extend KL (k3) 0.1 above the limit 1e-08 (k3 2.05 at extend position 0 "
                         "of 24-48; positions 1+ at 5e-13)")
-    with store.session() as s:
-        Path(s.get(Run, run_id).samples_path).unlink()
-    assert judged().reason == "extend KL (k3) 0.1 above the limit 1e-08"
+    for row in scen.samples:  # a result whose extends' logprobs are not at hand
+        row.update(extend_logprobs=None, extend_reference_logprobs=None)
+    assert judged("ext-bare").reason == "extend KL (k3) 0.1 above the limit 1e-08"
 
 
 # the embedded engine's planted defects in one config where two act, where they always act there
@@ -247,12 +234,10 @@ def test_a_known_failure_holds_across_commits_and_new_defects_still_open_regress
     spec = job_spec(engine="embedded", track=True)
 
     def record_commit(i: int, defects: set[str], bad: float = 0.05) -> int:
-        [run_id] = record_results(store, job_id=f"n{i}", trigger="nightly", spec=spec,
-                                  build=build_ref(f"c{i}", hours=i), matrix="smoke",
-                                  results=[run_result(KNOWN_CONFIG, kls(defects, bad))],
-                                  results_dir=tmp_path)
-        with store.session() as s:
-            track(s, s.get(Run, run_id), judge_run(s, run_id))
+        run_id = record_judged(store, tmp_path, job_id=f"n{i}", trigger="nightly", spec=spec,
+                               build=build_ref(f"c{i}", hours=i), matrix="smoke",
+                               result=run_result(KNOWN_CONFIG, kls(defects, bad)))
+        with store.session() as s:  # judged and tracked where it was recorded
             collect(s, f"n{i}", None)
         return run_id
 
