@@ -74,6 +74,7 @@ from evalsvc.builds.engine_envs import DEFAULT as DEFAULT_ENV
 from evalsvc.builds.engine_envs import engine_envs
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.dispatch.errors import DispatchError
+from evalsvc.engines.registry import engine_kind
 from evalsvc.harness import RunControl
 from evalsvc.paths import keep_earlier
 from evalsvc.settings import Settings
@@ -275,7 +276,7 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
     engine = {**task.engine, "env": env, "die_with_parent": True, "unset_env": ray_added_env()}
     node = Settings()  # this node's own, read where its task starts
-    if engine["kind"] == "sglang":
+    if engine_kind(engine["kind"]).uses_engine_envs:
         engine["python"] = worker_python(engine.get("python"), node, engine.get("env_name"))
     log_dir = run_dir(task.run_id)
     local = dataclasses.replace(task, engine=engine, log_dir=str(log_dir))

@@ -27,6 +27,7 @@ from evalsvc.builds.engine_envs import python_of
 from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.registry import engine_kind, is_engine_process
 from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.plan import plan_runs
 from evalsvc.jobs.record import (
@@ -375,8 +376,8 @@ class JobService:
         prompts = load_prompts(matrix.workload)
         version = workload_version(matrix.workload, prompts)
         base = EngineSpec(kind=spec.engine)
-        if spec.engine == "sglang":  # the environment named when it was submitted
-            base = EngineSpec(kind="sglang", python=python_of(self.settings, spec.engine_env),
+        if engine_kind(spec.engine).uses_engine_envs:  # the environment named when submitted
+            base = EngineSpec(kind=spec.engine, python=python_of(self.settings, spec.engine_env),
                               env_name=spec.engine_env)
         self._check_cancelled(job_id)
         by_model = tokenized(matrix, base, prompts)
@@ -493,7 +494,7 @@ def kill_engine_group(pid: int) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return
-    if "evalsvc.engines.embedded" not in cmdline and "sglang" not in cmdline:
+    if not is_engine_process(cmdline):
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
