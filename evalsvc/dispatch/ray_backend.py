@@ -234,9 +234,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
-    """The Ray task: one run on this node, reported to ``board``; returns the result and logs."""
+def run_on_worker(wire: dict[str, Any], board, slot_resource: str) -> dict[str, Any]:
+    """The Ray task: one run (``RunTask.to_wire``'s data) on this node, reported to ``board``;
+    returns the result and logs."""
     import ray
+
+    task = RunTask.from_wire(wire)
 
     global _logging_set_up
     if not _logging_set_up:
@@ -271,15 +274,17 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
     slots = assigned_slot_ids(slot_resource)
     report("started", node=ctx.get_node_id(), host=os.uname().nodename, worker_pid=os.getpid(),
            slots=slots)
-    env = dict(task.engine.get("env") or {})
+    env = dict(task.engine.env)
     if slots:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
-    engine = {**task.engine, "env": env, "die_with_parent": True, "unset_env": ray_added_env()}
+    engine = dataclasses.replace(task.engine, env=env, die_with_parent=True,
+                                 unset_env=ray_added_env())
     node = Settings()  # this node's own, read where its task starts
-    if engine_kind(engine["kind"]).uses_engine_envs:
-        engine["python"] = worker_python(engine.get("python"), node, engine.get("env_name"))
+    if engine_kind(engine.kind).uses_engine_envs:
+        engine = dataclasses.replace(engine, python=worker_python(engine.python, node,
+                                                                  engine.env_name))
     log_dir = run_dir(task.run_id)
-    local = dataclasses.replace(task, engine=engine, log_dir=str(log_dir))
+    local = task.model_copy(update={"engine": engine, "log_dir": str(log_dir)})
     key = machine_key()
     control = RunControl(on_engine=lambda proc: report("engine", pid=proc.proc.pid, machine=key))
     done = threading.Event()
@@ -382,7 +387,7 @@ class RayDispatcher:
     def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
                on_engine: Callable[[int], None] | None = None) -> Future:
         future: Future = Future()
-        need = slots_needed(task.config)
+        need = slots_needed({"args": task.config.args})
         problem = self._infeasible(need)
         if problem:
             log.error("run %s: %s", task.run_id, problem)
@@ -395,7 +400,7 @@ class RayDispatcher:
             placement["resources"] = {self.slot_resource: need}
         ref = self._remote.options(**placement, max_retries=self.retries, retry_exceptions=False,
                                    name=f"evalsvc-run-{task.run_id}").remote(
-            task, self._board, self.slot_resource)
+            task.to_wire(), self._board, self.slot_resource)
         with self._lock:
             self._flights[task.run_id] = _Flight(task, future, ref, need, on_start, on_engine)
         self._wake.set()
