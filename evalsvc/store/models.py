@@ -25,7 +25,9 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, relationship
+
+from evalsvc.types import SAMPLE_COLUMNS, SampleColumn
 
 NAMING = {"ix": "ix_%(column_0_label)s", "uq": "uq_%(table_name)s_%(column_0_N_name)s",
           "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
@@ -161,30 +163,30 @@ class Metric(Base):
 
 
 class Sample(Base):
+    """One evaluated sample of a scenario of a run: its key here, and a column per field of
+    ``types.SampleScalars`` (added below from ``SAMPLE_COLUMNS``, their one declaration)."""
+
     __tablename__ = "samples"
     __table_args__ = (UniqueConstraint("run_id", "scenario", "sample_id"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     scenario: Mapped[str] = mapped_column(String(40))
     sample_id: Mapped[str] = mapped_column(String(100))
-    prompt_id: Mapped[str] = mapped_column(String(200))
-    prompt_tokens: Mapped[int] = mapped_column(Integer)
-    cached_tokens: Mapped[int] = mapped_column(Integer)
-    host_cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    completion_tokens: Mapped[int] = mapped_column(Integer)
-    hit: Mapped[bool] = mapped_column(Boolean)
-    kl_k1_mean: Mapped[float | None] = mapped_column(Float)
-    kl_k2_mean: Mapped[float | None] = mapped_column(Float)
-    kl_k3_mean: Mapped[float | None] = mapped_column(Float)
-    kl_k3_max: Mapped[float | None] = mapped_column(Float)
-    topk_kl_mean: Mapped[float | None] = mapped_column(Float)
-    same_top_rate: Mapped[float | None] = mapped_column(Float)
-    first_divergence: Mapped[int | None] = mapped_column(Integer)
-    accept_length: Mapped[float | None] = mapped_column(Float)
-    # the extend: prompt tokens prefilled on the cached prefix, against the cold reference
-    extend_tokens: Mapped[int | None] = mapped_column(Integer)
-    extend_kl_k3_mean: Mapped[float | None] = mapped_column(Float)
-    extend_kl_k3_max: Mapped[float | None] = mapped_column(Float)
+
+
+SQL_TYPES = {str: String, int: Integer, float: Float, bool: Boolean}
+
+
+def sample_column(c: SampleColumn) -> MappedColumn[Any]:
+    """The store's column of a declared sample field."""
+    return mapped_column(SQL_TYPES[c.type](c.length) if c.length else SQL_TYPES[c.type],
+                         nullable=c.nullable, default=c.default)
+
+
+# declarative takes columns added to a mapped class, in this order, onto its table
+for _c in SAMPLE_COLUMNS:
+    setattr(Sample, _c.name, sample_column(_c))
+del _c
 
 
 class GoldenRun(Base):
