@@ -30,6 +30,7 @@ from evalsvc.paths import config_file
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job
+from evalsvc.types import JobStatus
 
 log = logging.getLogger("evalsvc.nightly")
 
@@ -147,7 +148,7 @@ def newest_release(package: str) -> str:
 def evaluated(store: Store, key: str) -> bool:
     with store.session() as s:
         for spec, status in s.execute(select(Job.spec, Job.status).where(Job.trigger == "nightly")):
-            if spec.get("nightly_key") == key and status not in ("failed", "cancelled"):
+            if spec.get("nightly_key") == key and status not in (JobStatus.FAILED, JobStatus.CANCELLED):
                 return True
     return False
 

@@ -56,6 +56,15 @@ class JobStatus(StrEnum):
 FINISHED_JOB_STATUSES = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
+class RunStatus(StrEnum):
+    """A run's status: the values are the strings stored and served."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"  # cancelled while it ran (its verdict says so too)
+
+
 @dataclass
 class SpecCounters:
     """Raw speculative-decoding counters of one request, whatever the server version called them.

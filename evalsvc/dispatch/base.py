@@ -25,7 +25,7 @@ from evalsvc.engines.base import EngineSpec
 from evalsvc.harness import RunControl, run_config, run_timeout
 from evalsvc.logs import log_context
 from evalsvc.matrix import Config, MatrixFile
-from evalsvc.types import RunResult
+from evalsvc.types import RunResult, Verdict
 
 log = logging.getLogger("evalsvc.dispatch")
 
@@ -92,7 +92,7 @@ def execute(task: RunTask, control: RunControl | None = None, *,
                 spec = engine_for(spec, task.build, builds_dir)
             except BuildError as exc:
                 log.error("run %s: %s", task.run_id, exc)
-                return task.outcome("error", f"engine build: {exc}")
+                return task.outcome(Verdict.ERROR, f"engine build: {exc}")
         return run_config(config, matrix, spec, [(p, list(ids)) for p, ids in task.prompts],
                           log_dir=Path(task.log_dir), control=control,
                           run_timeout_s=task.run_timeout_s)

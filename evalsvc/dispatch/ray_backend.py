@@ -78,7 +78,7 @@ from evalsvc.engines.registry import engine_kind
 from evalsvc.harness import RunControl
 from evalsvc.paths import keep_earlier
 from evalsvc.settings import Settings
-from evalsvc.types import RunResult
+from evalsvc.types import RunResult, Verdict
 
 log = logging.getLogger("evalsvc.dispatch.ray")
 POLL_SECONDS = 0.5  # how often the monitor and the tasks' cancel watchers look at the board
@@ -269,7 +269,7 @@ def run_on_worker(wire: dict[str, Any], board, slot_resource: str) -> dict[str, 
                         exc_info=True)
 
     if is_cancelled():  # cancelled while it waited for a slot
-        return {"result": task.outcome("cancelled", "the job was cancelled"), "logs": {}}
+        return {"result": task.outcome(Verdict.CANCELLED, "the job was cancelled"), "logs": {}}
     ctx = ray.get_runtime_context()
     slots = assigned_slot_ids(slot_resource)
     report("started", node=ctx.get_node_id(), host=os.uname().nodename, worker_pid=os.getpid(),
@@ -391,7 +391,7 @@ class RayDispatcher:
         problem = self._infeasible(need)
         if problem:
             log.error("run %s: %s", task.run_id, problem)
-            future.set_result(task.outcome("error", problem))
+            future.set_result(task.outcome(Verdict.ERROR, problem))
             return future
         placement: dict[str, Any] = {"num_cpus": 0}
         if self.slot_resource == "GPU":
@@ -478,7 +478,7 @@ class RayDispatcher:
             left, self._flights = list(self._flights.values()), {}
         for flight in left:
             if not flight.future.done():
-                flight.future.set_result(flight.task.outcome("cancelled",
+                flight.future.set_result(flight.task.outcome(Verdict.CANCELLED,
                                                  "the service stopped"))
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -555,11 +555,11 @@ class RayDispatcher:
             result: RunResult = out["result"]
             self._write_logs(task, result, out["logs"])
         except ray.exceptions.TaskCancelledError:
-            result = task.outcome("error" if flight.error else "cancelled",
+            result = task.outcome(Verdict.ERROR if flight.error else Verdict.CANCELLED,
                              flight.error or "the job was cancelled")
         except ray.exceptions.RayError as exc:
             detail = str(exc).strip().splitlines()
-            result = task.outcome("error", (
+            result = task.outcome(Verdict.ERROR, (
                 f"the Ray task of this run failed after {max(flight.attempts, 1)} attempt(s) "
                 f"(last on {flight.where or 'no node'}): {type(exc).__name__}: "
                 f"{detail[0] if detail else ''}"))
