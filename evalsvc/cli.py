@@ -150,8 +150,7 @@ def run(
         raise typer.Exit(2)
     if (source or patch) and (entry.local_builds or not source):
         console.print(f"[red]error:[/] --source/--patch need --engine "
-                      f"{' or '.join(k for k, e in ENGINES.items() if not e.local_builds)} and a "
-                      "--source")
+                      f"{' or '.join(kinds_with('local_builds', has=False))} and a --source")
         raise typer.Exit(2)
     try:  # the checks every client's build gets (a release names a version number)
         wanted = BuildSpec(source=source, patches=[*(patch or []),

@@ -133,9 +133,10 @@ def known_engines(joiner: str = " or ") -> str:
     return joiner.join(ENGINES)
 
 
-def kinds_with(capability: str) -> list[str]:
-    """The names of the kinds that have ``capability`` (an ``EngineKind`` flag)."""
-    return [name for name, e in ENGINES.items() if getattr(e, capability)]
+def kinds_with(capability: str, has: bool = True) -> list[str]:
+    """The names of the kinds that have ``capability`` (an ``EngineKind`` flag); with ``has``
+    false, those that lack it."""
+    return [name for name, e in ENGINES.items() if bool(getattr(e, capability)) is has]
 
 
 def serving_engine(model_type: Any) -> str:

@@ -55,6 +55,7 @@ def test_capabilities():
     assert kinds_with("injects_defects") == ["embedded"]
     assert kinds_with("uses_engine_envs") == ["sglang"]
     assert kinds_with("local_builds") == ["embedded"]
+    assert kinds_with("local_builds", has=False) == ["sglang"]
     assert serving_engine("evalsvc_hybrid") == "embedded"
     assert serving_engine("qwen3_next") == serving_engine(None) == "sglang"
     assert not is_engine_process("/usr/bin/python -m http.server")
