@@ -108,8 +108,8 @@ def block(dispatcher, tasks: list[RunTask]) -> list[dict]:
         t0 = time.monotonic()
         result = dispatcher.submit(task).result()
         wall = time.monotonic() - t0
-        assert result.verdict == "pass", (task.config["name"], result.verdict, result.reason)
-        rows.append({"config": task.config["name"], "wall": round(wall, 3),
+        assert result.verdict == "pass", (task.config.name, result.verdict, result.reason)
+        rows.append({"config": task.config.name, "wall": round(wall, 3),
                      "seconds": round(result.seconds, 3),
                      "overhead": round(wall - result.seconds, 3)})
     return rows

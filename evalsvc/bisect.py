@@ -39,11 +39,14 @@ from evalsvc.store import audit
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, Verdict, utcnow
-from evalsvc.types import FINISHED_JOB_STATUSES
+from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, RunStatus
+from evalsvc.types import Verdict as RunVerdict
 
 log = logging.getLogger("evalsvc.bisect")
 T = TypeVar("T")
 SETTLE = 30.0  # seconds: a step's job is looked at this often even when no end was signalled
+# the verdicts of a run (and its scenarios) that decide a step: good or bad, not unmeasured
+DECIDING = (RunVerdict.PASS, RunVerdict.FAIL, RunVerdict.EXPECTED)
 
 
 class BisectCreate(BaseModel):
@@ -292,8 +295,8 @@ class Bisector:
                 .join(Commit, Build.commit_id == Commit.id)
                 .where(Commit.sha == sha, Commit.repository == spec.repository,
                        Build.patch_set == patch_set, Run.matrix == spec.matrix,
-                       Run.config == spec.config, Run.status == "done",
-                       Run.verdict.in_(("pass", "fail", "expected")))
+                       Run.config == spec.config, Run.status == RunStatus.DONE,
+                       Run.verdict.in_(DECIDING))
                 .order_by(Run.finished_at.desc()).limit(1)).first()
 
     def _wait(self, job_id: str, sha: str) -> int:
@@ -311,7 +314,8 @@ class Bisector:
                     job = s.get(Job, job_id)
                     if job.status in FINISHED_JOB_STATUSES:
                         run = s.scalars(select(Run).where(Run.job_id == job_id)).first()
-                        if job.status != "done" or run is None or run.status != "done":
+                        if (job.status != JobStatus.DONE or run is None
+                                or run.status != RunStatus.DONE):
                             raise BisectError(f"commit {sha[:12]}: job {job_id} {job.status}"
                                               + (f": {job.error}" if job.error else ""))
                         return run.id
@@ -332,7 +336,7 @@ class Bisector:
                     raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide (no pooled "
                                       f"{spec.metric} verdict: {run.verdict}: {run.reason})")
                 return v.verdict in bad, v.verdict, v.reason or ""
-            if scen is None or scen.verdict not in ("pass", "fail", "expected"):
+            if scen is None or scen.verdict not in DECIDING:
                 why = (f"{scen.verdict}: {scen.reason}" if scen is not None
                        else f"{run.verdict}: {run.reason}")
                 raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide ({why})")

@@ -117,6 +117,7 @@ def run(
     from evalsvc.builds.build import BuildError
     from evalsvc.children import exit_on_sigterm
     from evalsvc.engines.base import EngineSpec
+    from evalsvc.engines.registry import ENGINES, kinds_with, known_engines
     from evalsvc.evaluate import prepare, results_table, run_local
     from evalsvc.jobs import BuildSpec, JobSpec, UnknownConfigs, mint_id
     from evalsvc.jobs import run as job_run
@@ -142,14 +143,17 @@ def run(
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     kind = engine or mat.engine
-    if kind not in ("embedded", "sglang"):
-        console.print(f"[red]error:[/] --engine {kind}: use embedded or sglang")
+    if kind not in ENGINES:
+        console.print(f"[red]error:[/] --engine {kind}: use {known_engines()}")
         raise typer.Exit(2)
-    if inject_defect and kind != "embedded":
-        console.print("[red]error:[/] --inject-defect needs the embedded engine")
+    entry = ENGINES[kind]
+    if inject_defect and not entry.injects_defects:
+        console.print(f"[red]error:[/] --inject-defect needs the "
+                      f"{' or '.join(kinds_with('injects_defects'))} engine")
         raise typer.Exit(2)
-    if (source or patch) and (kind != "sglang" or not source):
-        console.print("[red]error:[/] --source/--patch need --engine sglang and a --source")
+    if (source or patch) and (entry.local_builds or not source):
+        console.print(f"[red]error:[/] --source/--patch need --engine "
+                      f"{' or '.join(kinds_with('local_builds', has=False))} and a --source")
         raise typer.Exit(2)
     try:  # the checks every client's build gets (a release names a version number)
         wanted = BuildSpec(source=source, patches=[*(patch or []),
@@ -161,20 +165,20 @@ def run(
     if engine_env is not None:
         from evalsvc.builds.engine_envs import EngineEnvError, resolve
 
-        if engine_python or kind != "sglang":
-            console.print("[red]error:[/] --engine-env needs --engine sglang, and no "
-                          "--engine-python")
+        if engine_python or not entry.uses_engine_envs:
+            console.print(f"[red]error:[/] --engine-env needs --engine "
+                          f"{' or '.join(kinds_with('uses_engine_envs'))}, and no --engine-python")
             raise typer.Exit(2)
         try:
             engine_python = resolve(settings, engine_env, "--engine-env").python
         except EngineEnvError as exc:
             console.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
-    base = EngineSpec(kind=kind, python=engine_python or (sys.executable if kind == "sglang"
+    base = EngineSpec(kind=kind, python=engine_python or (sys.executable if entry.uses_engine_envs
                                                           else None))
     builds = settings.resolved_builds_dir()
     ready = None
-    if kind == "embedded" or source or not dry_run:  # a dry run makes no build, but a source's
+    if entry.local_builds or source or not dry_run:  # a dry run makes no build, but a source's
         from evalsvc.dispatch.base import engine_for, prepare_build
         from evalsvc.jobs.builds import Provenance, ready_build
 

@@ -18,7 +18,7 @@ from rich.table import Table
 from evalsvc.engines.launch import EngineProcess, embedded_command, free_port
 from evalsvc.evaluate import EXIT_ERRORED, EXIT_FAILED
 from evalsvc.tls import tls_context
-from evalsvc.types import FINISHED_JOB_STATUSES
+from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, RunStatus
 
 
 def demo_prompts() -> list[dict]:
@@ -155,8 +155,8 @@ def run_service_demo(matrix: str, configs: list[str] | None = None,
                 task = progress.add_task(f"job {job_id}", total=None)
                 while True:
                     job = client.get(f"/api/v1/jobs/{job_id}").json()
-                    done = sum(v for k, v in job["progress"].items() if k != "pending"
-                               and k != "running")
+                    done = sum(v for k, v in job["progress"].items() if k != RunStatus.PENDING
+                               and k != RunStatus.RUNNING)
                     progress.update(task, total=max(1, len(job["runs"])) if job["runs"] else None,
                                     completed=done, description=f"job {job_id}: {job['status']}")
                     if job["status"] in FINISHED_JOB_STATUSES:
@@ -190,7 +190,7 @@ def run_service_demo(matrix: str, configs: list[str] | None = None,
                 f"{n} {k}" for k, n in sorted(judged.items())))
             # evalsvc run's exit status for runs that errored (a job whose every run errored is
             # failed); else 0 for a job done, 1 for one failed or cancelled
-            outcome = EXIT_ERRORED if errored else 0 if job["status"] == "done" else EXIT_FAILED
+            outcome = EXIT_ERRORED if errored else 0 if job["status"] == JobStatus.DONE else EXIT_FAILED
             later = f"http://127.0.0.1:{settings.port}"
             console.print(
                 f"Where to read the results:\n"

@@ -114,7 +114,7 @@ def run_local(job_id: str, job: JobSpec, spec: EngineSpec, configs: list[Config]
             return bars[cfg.name]
 
         def execute(task: RunTask, control: RunControl) -> RunResult:
-            cfg = by_name[task.config["name"]]
+            cfg = by_name[task.config.name]
             shown = bar(cfg)
 
             def on_scenario(_cfg, scen) -> None:

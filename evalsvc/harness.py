@@ -31,6 +31,7 @@ from evalsvc import metrics
 from evalsvc.engines.base import EngineSpec, launch
 from evalsvc.engines.client import EngineClient, ScenarioError
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
+from evalsvc.engines.registry import engine_kind
 from evalsvc.engines.sglang_server import (
     QUIET_LOG_LEVELS,
     TREE_CORE_ENV,
@@ -354,7 +355,7 @@ def tree_core(proc: EngineProcess, config: Config, engine: str,
         except OSError as exc:
             why = f"its log cannot be read: {exc}"
     core = parse_tree_core(log_text, asked=proc.env.get(TREE_CORE_ENV), version=version,
-                           embedded=engine == "embedded")
+                           embedded=not engine_kind(engine).rust_tree_core)
     return core, why
 
 

@@ -39,6 +39,15 @@ from pydantic import (
 )
 
 from evalsvc import validation
+from evalsvc.engines.registry import (
+    DEFAULT_ENGINE,
+    EMBEDDED_FLAGS,  # noqa: F401 - the allowlists' home moved to engines.registry
+    ENGINES,
+    SGLANG_FLAGS,  # noqa: F401
+    EngineName,
+    engine_kind,
+    kinds_with,
+)
 from evalsvc.engines.sglang_server import TREE_CORE_ENV
 from evalsvc.paths import (
     SHIPPED_CONFIGS_DIR,
@@ -67,28 +76,8 @@ FLAG_VALUE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 INT64 = 2**63
 INT32 = 2**31
 
-# ServerArgs fields a matrix may set in ``extra_args``, per engine: tuning of the caches, the
-# scheduler, speculative decoding and memory. Never the model, host, port, remote code, or anything
-# naming a file or a network address; never what the axes and the hicache / mtp sections set.
-EMBEDDED_FLAGS = frozenset({
-    "mamba_track_interval", "mamba_ssm_dtype", "max_mamba_cache_size", "max_running_requests",
-    "max_total_tokens", "random_seed", "page_size", "mem_fraction_static", "enable_metrics",
-    "skip_server_warmup", "device", "dtype", "context_length", "hicache_size", "log_level",
-    "load_format",
-})
-SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
-    "attention_backend", "prefill_attention_backend", "decode_attention_backend",
-    "sampling_backend", "cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding",
-    "enable_torch_compile", "torch_compile_max_bs", "mamba_full_memory_ratio",
-    "max_prefill_tokens", "schedule_policy", "schedule_conservativeness", "kv_cache_dtype",
-    "quantization", "stream_interval", "enable_mixed_chunk", "disable_custom_all_reduce",
-    "max_queued_requests", "num_continuous_decode_steps", "triton_attention_num_kv_splits",
-    "speculative_accept_threshold_single", "speculative_accept_threshold_acc",
-    "speculative_attention_mode", "watchdog_timeout", "cuda_graph_backend_prefill",
-    "mamba_max_states_per_path", "enable_int8_mamba_checkpoint", "int8_mamba_ckpt_size",
-    "sleep_on_idle",
-})
-ENGINE_FLAGS = {"embedded": EMBEDDED_FLAGS, "sglang": SGLANG_FLAGS}
+# ServerArgs fields a matrix may set in ``extra_args``, per engine (``engines.registry``)
+ENGINE_FLAGS = {name: e.flags for name, e in ENGINES.items()}
 # The numeric flags' ranges (ServerArgs' own: sizes, counts and intervals are positive, fractions
 # lie in (0, 1]); a value outside is refused at submission, naming the flag
 _COUNT = Annotated[int, Field(ge=1, lt=INT32)]
@@ -114,11 +103,11 @@ FLAG_RANGES = {
 # SGLang's radix-tree core (0.5.19 and later: ``python`` or ``rust``; the ``radix_tree_core`` axis
 # sets it per config). The embedded engine takes it too, and runs Python, as SGLang falls back.
 TREE_CORES = ("python", "rust")
-# Environment variables a matrix may give its engines (``engine_env``), per engine: SGLang's CPU
-# engine switch (``--device cpu`` serves through it); the embedded engine's torch threads; the
-# radix-tree core. ``ENV_VALUES``: the only values some of them take.
-ENGINE_ENV = {"embedded": frozenset({"EVALSVC_ENGINE_THREADS", TREE_CORE_ENV}),
-              "sglang": frozenset({"SGLANG_USE_CPU_ENGINE", TREE_CORE_ENV})}
+# Environment variables a matrix may give its engines (``engine_env``), per engine
+# (``engines.registry``): SGLang's CPU engine switch (``--device cpu`` serves through it); the
+# embedded engine's torch threads; the radix-tree core. ``ENV_VALUES``: the only values some of
+# them take.
+ENGINE_ENV = {name: e.env for name, e in ENGINES.items()}
 ENV_VALUES = {TREE_CORE_ENV: TREE_CORES}
 # Real SGLang on a CPU (``device: cpu``): which ops serve its gated-deltanet layers (``cpu_ops``),
 # given to the engine as this variable (the SGLang CPU environment's sitecustomize reads it:
@@ -417,7 +406,7 @@ DEFAULTS = {"strategy": "auto", "radix_cache": True, "overlap": True, "chunked_p
 class MatrixFile(Strict):
     name: str
     description: str = Field("", max_length=2000)
-    engine: Literal["embedded", "sglang"] = "embedded"
+    engine: EngineName = DEFAULT_ENGINE
     models: dict[str, ModelEntry] = Field(min_length=1)
     axes: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, Any]] = Field(default_factory=list)
@@ -511,8 +500,9 @@ class MatrixFile(Strict):
 
     @model_validator(mode="after")
     def _engine_env_name(self) -> MatrixFile:
-        if self.default_engine_env is not None and self.engine != "sglang":
-            raise ValueError("default_engine_env: only for engine: sglang (the embedded engine "
+        if self.default_engine_env is not None and not engine_kind(self.engine).uses_engine_envs:
+            raise ValueError(f"default_engine_env: only for engine: "
+                             f"{' or '.join(kinds_with('uses_engine_envs'))} (the {self.engine} engine "
                              "runs in the service's own environment)")
         return self
 
@@ -520,7 +510,7 @@ class MatrixFile(Strict):
     def _shipped_sglang_models(self) -> MatrixFile:
         """A model of a real-SGLang matrix named like a shipped SGLang checkpoint
         (``evalsvc/assets/sglang-models/NAME``) is that directory, wherever the command runs."""
-        if self.engine == "sglang":
+        if engine_kind(self.engine).shipped_checkpoints:
             for entry in self.models.values():
                 directory = shipped_sglang_model_dir(entry.path)
                 if directory is not None:
@@ -532,7 +522,7 @@ class MatrixFile(Strict):
         """Real SGLang on a CPU gets its ops choice (``reference`` unless the matrix says
         ``kernel``) as an engine variable, which puts it in every config's fingerprint, and the
         reference ops get torch attention (unless the matrix names a backend)."""
-        on_cpu = self.engine == "sglang" and self.extra_args.get("device") == "cpu"
+        on_cpu = engine_kind(self.engine).cpu_ops and self.extra_args.get("device") == "cpu"
         given = self.engine_env.get(CPU_OPS_VARIABLE)
         if not on_cpu:
             if self.cpu_ops is not None:
@@ -926,7 +916,7 @@ AXIS_ARGS = {"mixed_chunk": "enable_mixed_chunk", "page_size": "page_size",
 @lru_cache(maxsize=64)
 def model_identity(path: str, engine: str) -> str:
     """Shipped or local model directories: name plus a hash of config and weights; other ids as is."""
-    local = shipped_model_dir(path) if engine == "embedded" else None
+    local = shipped_model_dir(path) if engine_kind(engine).shipped_models else None
     directory = local or (Path(path) if Path(path).is_dir() else None)
     if directory is None:
         return path

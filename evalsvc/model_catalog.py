@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evalsvc.engines.registry import engine_kind, serving_engine
 from evalsvc.paths import MODELS_DIR, SGLANG_MODELS_DIR
 from evalsvc.settings import Settings
 
 # a model on the hub: NAME or NAMESPACE/NAME (SGLang downloads it)
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
-EMBEDDED_MODEL_TYPE = "evalsvc_hybrid"  # what the embedded engine's config.json says
 
 
 class ModelError(ValueError):
@@ -76,7 +76,7 @@ def listed(settings: Settings) -> list[dict[str, Any]]:
         archs = config.get("architectures")
         model_type = config.get("model_type")
         out.append({"name": m.name, "origin": m.origin, "path": str(m.path),
-                    "engine": "embedded" if model_type == EMBEDDED_MODEL_TYPE else "sglang",
+                    "engine": serving_engine(model_type),
                     "architecture": archs[0] if isinstance(archs, list) and archs else None,
                     "model_type": model_type if isinstance(model_type, str) else None})
     return out
@@ -90,7 +90,8 @@ def _lexical(path: str) -> Path:
 def _as_named(m: Model, engine: str) -> str:
     """A model's name as the engine's command takes it: its directory, or the embedded engine's
     shipped name as is (the engine finds it)."""
-    return m.name if engine == "embedded" and m.path.parent == MODELS_DIR else str(m.path)
+    return (m.name if engine_kind(engine).shipped_models and m.path.parent == MODELS_DIR
+            else str(m.path))
 
 
 def named(value: str, engine: str, settings: Settings) -> str:
@@ -120,7 +121,7 @@ def resolve_model(value: str, engine: str, settings: Settings, where: str) -> st
         if not (path / "config.json").is_file():
             raise ModelError(f"{where}: no model directory {value[:200]} (no config.json)")
         return str(path)
-    if engine == "sglang" and HUB_ID.fullmatch(value) and ".." not in value:
+    if engine_kind(engine).hub_models and HUB_ID.fullmatch(value) and ".." not in value:
         return value  # a hub id: SGLang downloads it
     raise ModelError(f"{where}: unknown model {value[:200]!r} (known: {names}; models of "
                      f"{setting} are named by their directory)")

@@ -31,6 +31,7 @@ from evalsvc.paths import config_file
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job
+from evalsvc.types import JobStatus
 
 log = logging.getLogger("evalsvc.nightly")
 
@@ -149,8 +150,8 @@ def evaluated(store: Store, key: str) -> bool:
     with store.session() as s:
         for spec, status in s.execute(select(Job.spec, Job.status).where(Job.trigger == "nightly")):
             typed = stored_spec(spec)
-            if typed is not None and typed.nightly_key == key and status not in ("failed",
-                                                                                 "cancelled"):
+            if typed is not None and typed.nightly_key == key and status not in (
+                    JobStatus.FAILED, JobStatus.CANCELLED):
                 return True
     return False
 

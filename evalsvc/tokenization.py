@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
+from evalsvc.engines.registry import DEFAULT_ENGINE, engine_kind
 from evalsvc.paths import shipped_model_dir
 
 if TYPE_CHECKING:
@@ -20,9 +21,9 @@ class TokenizerError(ValueError):
 
 
 @lru_cache(maxsize=16)
-def load_tokenizer(model_path: str, engine: str = "embedded") -> Tokenizer:
+def load_tokenizer(model_path: str, engine: str = DEFAULT_ENGINE) -> Tokenizer:
     """tokenizer.json of a shipped model (by name), of a local model directory, or from the hub."""
-    directory = shipped_model_dir(model_path) if engine == "embedded" else None
+    directory = shipped_model_dir(model_path) if engine_kind(engine).shipped_models else None
     directory = directory or (Path(model_path) if Path(model_path).is_dir() else None)
     if directory is not None:
         file = directory / "tokenizer.json"

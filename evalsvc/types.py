@@ -6,10 +6,12 @@ No behaviour beyond small derived properties; logprobs are natural-log, aligned 
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, NotRequired, TypedDict
+from typing import Annotated, Any, NotRequired, TypedDict
 
 
 class Verdict(StrEnum):
@@ -55,6 +57,15 @@ class JobStatus(StrEnum):
 FINISHED_JOB_STATUSES = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
+class RunStatus(StrEnum):
+    """A run's status: the values are the strings stored and served."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"  # cancelled while it ran (its verdict says so too)
+
+
 @dataclass
 class SpecCounters:
     """Raw speculative-decoding counters of one request, whatever the server version called them.
@@ -97,27 +108,46 @@ class Completion:
     host_cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Stored:
+    """How a sample field is kept in the store's ``samples`` table, beyond its type (an
+    ``Annotated`` note on a ``SampleScalars`` field): a string's most characters; a column that
+    takes NULL though the field always has a value (the store has always allowed it there); the
+    value a row written without it gets."""
+
+    length: int | None = None
+    nullable: bool = False
+    default: Any = None
+
+
+NULLABLE = Stored(nullable=True)
+
+
 class SampleScalars(TypedDict):
     """One sample's scalars, the columns of its row in the store (``Sample``): token counts, the
     means and maxima over its generated tokens of the KL estimators (nats), the index of the first
     token whose logprobs differ from the reference's (None: none), the same of the extend (the
-    prompt tokens prefilled on a cached prefix, against a cold prefill; None without any)."""
+    prompt tokens prefilled on a cached prefix, against a cold prefill; None without any).
 
-    prompt_id: str
+    The one declaration of those columns: ``store.models.Sample`` makes its columns from it
+    (``SAMPLE_COLUMNS``); the migrations, history, must agree (tests/store/test_sample_schema.py).
+    A column takes NULL when its field may be None or absent, or is noted ``NULLABLE``."""
+
+    prompt_id: Annotated[str, Stored(length=200)]
     prompt_tokens: int
     cached_tokens: int
-    host_cached_tokens: int
+    host_cached_tokens: Annotated[int, Stored(default=0)]
     completion_tokens: int
     hit: bool
-    kl_k1_mean: float
-    kl_k2_mean: float
-    kl_k3_mean: float
-    kl_k3_max: float
+    kl_k1_mean: Annotated[float, NULLABLE]
+    kl_k2_mean: Annotated[float, NULLABLE]
+    kl_k3_mean: Annotated[float, NULLABLE]
+    kl_k3_max: Annotated[float, NULLABLE]
     topk_kl_mean: NotRequired[float]  # with both sides' top-k lists
     same_top_rate: NotRequired[float]
     first_divergence: int | None
     accept_length: float | None  # completion tokens per verify step (speculative decoding)
-    extend_tokens: int
+    extend_tokens: Annotated[int, NULLABLE]  # NULL: stored before the extend was measured
     extend_kl_k3_mean: float | None
     extend_kl_k3_max: float | None
 
@@ -149,6 +179,43 @@ class SampleRow(SampleScalars, SampleTokens):
 # the keys of each part, in the order the store and the Parquet file take them
 SAMPLE_FIELDS = tuple(SampleScalars.__annotations__)
 TOKEN_FIELDS = tuple(SampleTokens.__annotations__)
+
+
+@dataclass(frozen=True)
+class SampleColumn:
+    """One column of the store's ``samples`` table, as ``SampleScalars`` declares it: the
+    field's name, its Python type (str, int, float or bool), whether it takes NULL, a string's
+    length, a default for rows written without it."""
+
+    name: str
+    type: type
+    nullable: bool
+    length: int | None = None
+    default: Any = None
+
+
+def _column(name: str, hint: Any) -> SampleColumn:
+    nullable, stored = False, Stored()
+    while True:
+        origin = typing.get_origin(hint)
+        if origin is NotRequired:
+            nullable, hint = True, typing.get_args(hint)[0]
+        elif origin is Annotated:
+            hint, *notes = typing.get_args(hint)
+            stored = next((n for n in notes if isinstance(n, Stored)), stored)
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            nullable = nullable or len(args) < len(typing.get_args(hint))
+            (hint,) = args
+        else:
+            break
+    if hint not in (str, int, float, bool):
+        raise TypeError(f"sample field {name}: {hint!r} is no column type (str, int, float, bool)")
+    return SampleColumn(name, hint, nullable or stored.nullable, stored.length, stored.default)
+
+
+SAMPLE_COLUMNS = tuple(_column(name, hint) for name, hint in
+                       typing.get_type_hints(SampleScalars, include_extras=True).items())
 
 
 @dataclass

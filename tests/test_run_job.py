@@ -36,7 +36,7 @@ class Answering:
         if on_start is not None:
             on_start()
         fut: Future = Future()
-        verdict = self.verdicts.get(task.config["name"], "pass")
+        verdict = self.verdicts.get(task.config.name, "pass")
         if isinstance(verdict, Exception):
             fut.set_exception(verdict)
         else:

@@ -1,8 +1,9 @@
-"""A run as plain data, the functions that execute it, and the dispatcher interface.
+"""A run as typed data, the functions that execute it, and the dispatcher interface.
 
 ``execute`` is a plain function of a ``RunTask``: everything it needs travels in the task (the
-matrix and config as dicts, the engine spec, token ids of the prompts, the SGLang build), so a
-dispatcher can run it in a thread here or hand it to another machine. The machine that runs it
+matrix, the config, the engine spec, token ids of the prompts, the SGLang build), so a dispatcher
+can run it in a thread here or hand it to another machine as plain data (``RunTask.to_wire``, read
+back there with ``RunTask.from_wire``). The machine that runs it
 makes the run's SGLang build itself (``engine_for``: from its own builds cache, or made there), so
 nothing but the task has to be shared; ``prepare_build`` makes it first where the runs will go, for
 the service to record what the build is before it plans the runs.
@@ -13,34 +14,38 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from evalsvc.builds.build import BuildError, installed_version, make_build
 from evalsvc.engines.base import EngineSpec
 from evalsvc.harness import RunControl, run_config, run_timeout
 from evalsvc.logs import log_context
 from evalsvc.matrix import Config, MatrixFile
-from evalsvc.types import RunResult
+from evalsvc.types import RunResult, Verdict
 
 log = logging.getLogger("evalsvc.dispatch")
 
 
-@dataclass
-class RunTask:
+class RunTask(BaseModel):
+    """One run to execute: its matrix, config and engine spec as the harness takes them, the
+    prompts' token ids, where its logs go, its build and its deadline."""
+
+    model_config = ConfigDict(extra="forbid")
+
     job_id: str
     run_id: int
-    matrix: dict[str, Any]  # MatrixFile as a dict
-    config: dict[str, Any]  # Config as a dict
-    engine: dict[str, Any]  # EngineSpec as a dict
+    matrix: MatrixFile
+    config: Config
+    engine: EngineSpec
     prompts: list[tuple[str, list[int]]]
     log_dir: str
     # the SGLang build the run executes (a build request, see below); None: the engine spec as is
     build: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
     # the run's deadline in seconds, engine start-up included (``harness.run_timeout``): decided
     # where the run is planned, so a worker's own settings do not change it; None: decided there
     run_timeout_s: float | None = None
@@ -49,39 +54,43 @@ class RunTask:
     def make(cls, job_id: str, run_id: int, matrix: MatrixFile, config: Config, spec: EngineSpec,
              prompts: list[tuple[str, list[int]]], log_dir: Path,
              build: dict[str, Any] | None = None,
-             run_timeout_s: float | None = None,
-             matrix_json: dict[str, Any] | None = None) -> RunTask:
-        """``run_timeout_s``: the service's default deadline (the matrix's own wins);
-        ``matrix_json``: the matrix as plain data already (a stored job's), not made again."""
-        if matrix_json is None:
-            matrix_json = matrix.model_dump(mode="json")
-        return cls(job_id, run_id, matrix_json, asdict(config), asdict(spec),
-                   [(pid, list(ids)) for pid, ids in prompts], str(log_dir), build,
-                   run_timeout_s=run_timeout(matrix, run_timeout_s))
+             run_timeout_s: float | None = None) -> RunTask:
+        """``run_timeout_s``: the service's default deadline (the matrix's own wins). The task
+        holds the matrix itself; ``to_wire`` writes it where a task leaves this process."""
+        return cls(job_id=job_id, run_id=run_id, matrix=matrix, config=config, engine=spec,
+                   prompts=[(pid, list(ids)) for pid, ids in prompts], log_dir=str(log_dir),
+                   build=build, run_timeout_s=run_timeout(matrix, run_timeout_s))
+
+    def to_wire(self) -> dict[str, Any]:
+        """The task as plain JSON data, as it travels to another machine (``from_wire``)."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> RunTask:
+        """A task from ``to_wire``'s data (the matrix validated again where it arrives)."""
+        return cls.model_validate(data)
 
     def outcome(self, verdict: str, reason: str) -> RunResult:
         """The result of a run that did not get to its engine (cancelled, or an error)."""
-        return self.as_config().unrun(verdict, reason)
+        return self.config.unrun(verdict, reason)
 
     def as_config(self) -> Config:
         """The task's config as the harness takes it."""
-        return Config(**{**self.config, "scenarios": tuple(self.config["scenarios"])})
+        return self.config
 
 
 def execute(task: RunTask, control: RunControl | None = None, *,
             builds_dir: Path | None = None) -> RunResult:
     """Run one config (the whole harness: build, engine, scenarios, metrics) from a task;
     ``builds_dir``: this machine's builds cache, where an SGLang build is made or found."""
-    matrix = MatrixFile.model_validate(task.matrix)
-    config = task.as_config()
-    spec = EngineSpec(**task.engine)
+    matrix, config, spec = task.matrix, task.config, task.engine
     with log_context(job=task.job_id, run=task.run_id):
         if task.build is not None:
             try:
                 spec = engine_for(spec, task.build, builds_dir)
             except BuildError as exc:
                 log.error("run %s: %s", task.run_id, exc)
-                return task.outcome("error", f"engine build: {exc}")
+                return task.outcome(Verdict.ERROR, f"engine build: {exc}")
         return run_config(config, matrix, spec, [(p, list(ids)) for p, ids in task.prompts],
                           log_dir=Path(task.log_dir), control=control,
                           run_timeout_s=task.run_timeout_s)

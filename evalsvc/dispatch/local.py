@@ -10,7 +10,7 @@ from typing import Any
 
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.harness import RunControl
-from evalsvc.types import RunResult
+from evalsvc.types import RunResult, Verdict
 
 
 class LocalDispatcher:
@@ -38,7 +38,7 @@ class LocalDispatcher:
              on_start: Callable[[], None] | None) -> RunResult:
         try:
             if control.cancelled:  # cancelled while it waited for a slot
-                return task.outcome("cancelled", "the job was cancelled")
+                return task.outcome(Verdict.CANCELLED, "the job was cancelled")
             if on_start is not None:
                 on_start()
             if self._execute is not None:

@@ -74,10 +74,11 @@ from evalsvc.builds.engine_envs import DEFAULT as DEFAULT_ENV
 from evalsvc.builds.engine_envs import engine_envs
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.dispatch.errors import DispatchError
+from evalsvc.engines.registry import engine_kind
 from evalsvc.harness import RunControl
 from evalsvc.paths import keep_earlier
 from evalsvc.settings import Settings
-from evalsvc.types import RunResult
+from evalsvc.types import RunResult, Verdict
 
 log = logging.getLogger("evalsvc.dispatch.ray")
 POLL_SECONDS = 0.5  # how often the monitor and the tasks' cancel watchers look at the board
@@ -233,9 +234,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
-    """The Ray task: one run on this node, reported to ``board``; returns the result and logs."""
+def run_on_worker(wire: dict[str, Any], board, slot_resource: str) -> dict[str, Any]:
+    """The Ray task: one run (``RunTask.to_wire``'s data) on this node, reported to ``board``;
+    returns the result and logs."""
     import ray
+
+    task = RunTask.from_wire(wire)
 
     global _logging_set_up
     if not _logging_set_up:
@@ -265,20 +269,22 @@ def run_on_worker(task: RunTask, board, slot_resource: str) -> dict[str, Any]:
                         exc_info=True)
 
     if is_cancelled():  # cancelled while it waited for a slot
-        return {"result": task.outcome("cancelled", "the job was cancelled"), "logs": {}}
+        return {"result": task.outcome(Verdict.CANCELLED, "the job was cancelled"), "logs": {}}
     ctx = ray.get_runtime_context()
     slots = assigned_slot_ids(slot_resource)
     report("started", node=ctx.get_node_id(), host=os.uname().nodename, worker_pid=os.getpid(),
            slots=slots)
-    env = dict(task.engine.get("env") or {})
+    env = dict(task.engine.env)
     if slots:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
-    engine = {**task.engine, "env": env, "die_with_parent": True, "unset_env": ray_added_env()}
+    engine = dataclasses.replace(task.engine, env=env, die_with_parent=True,
+                                 unset_env=ray_added_env())
     node = Settings()  # this node's own, read where its task starts
-    if engine["kind"] == "sglang":
-        engine["python"] = worker_python(engine.get("python"), node, engine.get("env_name"))
+    if engine_kind(engine.kind).uses_engine_envs:
+        engine = dataclasses.replace(engine, python=worker_python(engine.python, node,
+                                                                  engine.env_name))
     log_dir = run_dir(task.run_id)
-    local = dataclasses.replace(task, engine=engine, log_dir=str(log_dir))
+    local = task.model_copy(update={"engine": engine, "log_dir": str(log_dir)})
     key = machine_key()
     control = RunControl(on_engine=lambda proc: report("engine", pid=proc.proc.pid, machine=key))
     done = threading.Event()
@@ -381,11 +387,11 @@ class RayDispatcher:
     def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
                on_engine: Callable[[int], None] | None = None) -> Future:
         future: Future = Future()
-        need = slots_needed(task.config)
+        need = slots_needed({"args": task.config.args})
         problem = self._infeasible(need)
         if problem:
             log.error("run %s: %s", task.run_id, problem)
-            future.set_result(task.outcome("error", problem))
+            future.set_result(task.outcome(Verdict.ERROR, problem))
             return future
         placement: dict[str, Any] = {"num_cpus": 0}
         if self.slot_resource == "GPU":
@@ -394,7 +400,7 @@ class RayDispatcher:
             placement["resources"] = {self.slot_resource: need}
         ref = self._remote.options(**placement, max_retries=self.retries, retry_exceptions=False,
                                    name=f"evalsvc-run-{task.run_id}").remote(
-            task, self._board, self.slot_resource)
+            task.to_wire(), self._board, self.slot_resource)
         with self._lock:
             self._flights[task.run_id] = _Flight(task, future, ref, need, on_start, on_engine)
         self._wake.set()
@@ -472,7 +478,7 @@ class RayDispatcher:
             left, self._flights = list(self._flights.values()), {}
         for flight in left:
             if not flight.future.done():
-                flight.future.set_result(flight.task.outcome("cancelled",
+                flight.future.set_result(flight.task.outcome(Verdict.CANCELLED,
                                                  "the service stopped"))
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -549,11 +555,11 @@ class RayDispatcher:
             result: RunResult = out["result"]
             self._write_logs(task, result, out["logs"])
         except ray.exceptions.TaskCancelledError:
-            result = task.outcome("error" if flight.error else "cancelled",
+            result = task.outcome(Verdict.ERROR if flight.error else Verdict.CANCELLED,
                              flight.error or "the job was cancelled")
         except ray.exceptions.RayError as exc:
             detail = str(exc).strip().splitlines()
-            result = task.outcome("error", (
+            result = task.outcome(Verdict.ERROR, (
                 f"the Ray task of this run failed after {max(flight.attempts, 1)} attempt(s) "
                 f"(last on {flight.where or 'no node'}): {type(exc).__name__}: "
                 f"{detail[0] if detail else ''}"))

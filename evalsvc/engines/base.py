@@ -10,15 +10,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from evalsvc.engines.launch import EngineProcess, embedded_command
-from evalsvc.engines.sglang_server import build_command, build_flags, engine_flags, loopback
+from evalsvc.engines.launch import EngineProcess
+from evalsvc.engines.registry import DEFAULT_ENGINE, EngineName, engine_kind
 
 
 @dataclass
 class EngineSpec:
-    kind: Literal["embedded", "sglang"] = "embedded"
+    kind: EngineName = DEFAULT_ENGINE  # a name of engines.registry.ENGINES
     python: str | None = None  # the engine build's python (sglang); default: this one
     # the name of that python's environment (builds.engine_envs), by which a Ray node finds its own
     env_name: str | None = None
@@ -36,12 +36,8 @@ class EngineSpec:
 
 def engine_command(spec: EngineSpec, args: dict[str, Any], port: int) -> list[str]:
     """The argument list that starts a server for ``args`` (SGLang ServerArgs fields)."""
-    python = spec.python or sys.executable
-    if spec.kind == "sglang":
-        return build_command(args, port=port, python=python, version=spec.version, host=spec.host)
-    return embedded_command(port, ["--model-path", str(args["model_path"]),
-                                   "--host", loopback(spec.host), *build_flags(engine_flags(args))],
-                            python=python)
+    return engine_kind(spec.kind).command(args, port=port, python=spec.python or sys.executable,
+                                          version=spec.version, host=spec.host)
 
 
 def launch(spec: EngineSpec, args: dict[str, Any], port: int, log_path: Path | None,

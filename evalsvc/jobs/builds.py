@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.registry import engine_kind
 from evalsvc.jobs.spec import BuildSpec
 from evalsvc.store.record import BuildRef
 
@@ -51,7 +52,7 @@ def ready_build(base: EngineSpec, build: BuildSpec | dict[str, Any], prepare: Pr
     b = BuildSpec.model_validate(build) if isinstance(build, dict) else build  # a stored job's
     said = said or Provenance()
     when = said.committed_at or datetime.now(UTC)
-    if base.kind == "embedded":
+    if engine_kind(base.kind).local_builds:
         from evalsvc.builds.embedded import embedded_build
 
         eb = embedded_build(b.source, b.patches, builds_dir)

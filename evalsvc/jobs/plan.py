@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.registry import engine_kind
 from evalsvc.matrix import Config, MatrixFile, expand
 
 
@@ -21,8 +22,9 @@ class UnknownConfigs(ValueError):
 
 
 def hardware(engine: EngineSpec) -> str:
-    """The hardware class a config's fingerprint names: the embedded engine runs on CPUs."""
-    return "cpu" if engine.kind == "embedded" else "gpu"
+    """The hardware class a config's fingerprint names (the engine kind's: the embedded engine
+    runs on CPUs)."""
+    return engine_kind(engine.kind).hardware
 
 
 def plan_runs(matrix: MatrixFile, engine: EngineSpec, workload_version: str = "",
@@ -32,7 +34,8 @@ def plan_runs(matrix: MatrixFile, engine: EngineSpec, workload_version: str = ""
     names one the matrix does not have, unless not ``strict`` (then it is left out: a job
     validated before its build was made, whose release excludes it)."""
     expanded = expand(matrix, hardware=hardware(engine), workload_version=workload_version,
-                      sglang_version=engine.version if engine.kind == "sglang" else None)
+                      sglang_version=engine.version if engine_kind(engine.kind).versioned
+                      else None)
     if not configs:
         return expanded
     wanted = set(configs)

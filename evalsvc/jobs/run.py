@@ -61,7 +61,6 @@ class RunOptions:
     builds: list[ReadyBuild] | None = None  # made ready already, one per build of the job
     prompts: Any = None  # the workload loaded already (``workloads.load_prompts``)
     configs: list[Config] | None = None  # planned already (each build runs them)
-    matrix_json: dict[str, Any] | None = None  # the matrix as plain data (a stored job's)
     trigger: str | None = None  # the job written to the store when it starts, running
     # a model whose tokenizer cannot be loaded errors its runs only (else the job fails)
     per_model_errors: bool = False
@@ -110,9 +109,6 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
     from evalsvc.workloads import load_prompts, workload_version
 
     matrix = spec.matrix
-    matrix_json = options.matrix_json
-    if matrix_json is None:  # made once, and sent as is with each run
-        matrix_json = matrix.model_dump(mode="json")
 
     def check() -> None:
         if options.cancelled():
@@ -162,7 +158,7 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
                        else options.log_dir)
             items.append((p, RunTask.make(
                 job_id, p.run_id, matrix, p.config, engine, by_model[p.config.model], log_dir,
-                build=request, run_timeout_s=options.run_timeout_s, matrix_json=matrix_json),
+                build=request, run_timeout_s=options.run_timeout_s),
                 None))
     outcome = JobOutcome("done", planned=planned_all)
     futures: list[tuple[PlannedRun, RunTask | None, Future]] = []

@@ -26,6 +26,7 @@ from evalsvc.alerts import collect, deliver
 from evalsvc.builds.engine_envs import python_of
 from evalsvc.counters import Counters
 from evalsvc.engines.base import EngineSpec
+from evalsvc.engines.registry import engine_kind, is_engine_process
 from evalsvc.jobs import run as job_run
 from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.record import cancel_pending, describe, end_job
@@ -356,16 +357,15 @@ class JobService:
         loops (JobCancelled)."""
         with self.store.session() as s:
             stored = s.get(Job, job_id).spec
-        spec = JobSpec.model_validate(stored)  # the matrix made once, and its JSON sent as is
+        spec = JobSpec.model_validate(stored)  # the matrix made once
         base = EngineSpec(kind=spec.engine)
-        if spec.engine == "sglang":  # the environment named when it was submitted
-            base = EngineSpec(kind="sglang", python=python_of(self.settings, spec.engine_env),
+        if engine_kind(spec.engine).uses_engine_envs:  # the environment named when submitted
+            base = EngineSpec(kind=spec.engine, python=python_of(self.settings, spec.engine_env),
                               env_name=spec.engine_env)
         outcome = job_run.run_job(job_id, spec, self.dispatcher, self.store, RunOptions(
             engine=base, log_dir=inside(self.settings.data_dir, "logs", job_id),
             results_dir=self.settings.results_dir(), run_timeout_s=self.settings.run_timeout_s,
             prepare=lambda engine, b: self._prepare_build(engine, b),
-            matrix_json=stored["matrix"],
             cancelled=lambda: self._is_cancelled(job_id), stopping=self._stop.is_set,
             on_start=self._run_started, on_engine=self._engine_up, on_result=self._recorded))
         return outcome.status, outcome.error
@@ -420,7 +420,7 @@ def kill_engine_group(pid: int) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return
-    if "evalsvc.engines.embedded" not in cmdline and "sglang" not in cmdline:
+    if not is_engine_process(cmdline):
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:

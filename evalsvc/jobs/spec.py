@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,6 +26,7 @@ from evalsvc.builds.engine_envs import default_name as default_env
 from evalsvc.builds.engine_envs import resolve as resolve_env
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.embedded.defects import Defect
+from evalsvc.engines.registry import EngineName, engine_kind
 from evalsvc.jobs.plan import UnknownConfigs, plan_runs
 from evalsvc.matrix import MatrixError, MatrixFile, WorkloadSpec, describe_errors, load_matrix
 from evalsvc.model_catalog import ModelError, resolve_model
@@ -125,7 +126,7 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     matrix: str | dict[str, Any] = Field(..., description="matrix name or an inline matrix")
-    engine: Literal["embedded", "sglang"] | None = Field(None, description="default: the matrix's")
+    engine: EngineName | None = Field(None, description="default: the matrix's")
     builds: list[BuildSpec] | None = Field(None, min_length=1, max_length=2,
                                            description="two builds yield their comparison")
     engine_env: str | None = Field(None, min_length=1, max_length=64,
@@ -179,7 +180,7 @@ class JobSpec(BaseModel):
 
     matrix_name: str
     matrix: MatrixFile
-    engine: Literal["embedded", "sglang"]
+    engine: EngineName
     builds: list[BuildSpec]
     configs: list[str] | None = None
     model: str | None = None
@@ -312,7 +313,7 @@ def _engine_env(body: JobCreate, matrix: MatrixFile, engine: str, settings: Sett
     """The name of the SGLang environment a job runs in: the job's, else its matrix's default,
     else the service's default; None on Ray without one (each node's own). JobError naming the
     field and the known names."""
-    if engine != "sglang":
+    if not engine_kind(engine).uses_engine_envs:
         if body.engine_env is not None:
             raise JobError("engine_env: only for engine sglang (the embedded engine runs in the "
                            "service's own environment)")
@@ -385,7 +386,7 @@ def _check_build(engine: str, i: int, b: BuildSpec, trusted: bool, settings: Set
     from evalsvc.builds.build import BuildError, parse_source
 
     where = f"builds[{i}]"
-    if engine == "embedded":  # source: git:REPO@COMMIT or path:DIR with evalsvc-engine.yaml
+    if engine_kind(engine).local_builds:  # source: git:REPO@COMMIT or path:DIR, evalsvc-engine.yaml
         from evalsvc.builds.embedded import embedded_build, parse_embedded_source
 
         known = {f"defect:{d.value}" for d in Defect}
@@ -417,7 +418,7 @@ def _check_build(engine: str, i: int, b: BuildSpec, trusted: bool, settings: Set
                                for pat in settings.allowed_sources):
         raise JobError(f"{where}.source: {b.source!r} is not an allowed build source "
                        f"(EVALSVC_ALLOWED_SOURCES: {', '.join(settings.allowed_sources)})")
-    if engine == "embedded":
+    if engine_kind(engine).local_builds:
         try:  # the repository and commit exist, and the settings file there reads
             embedded_build(b.source, b.patches, settings.resolved_builds_dir())
         except BuildError as exc:
@@ -429,7 +430,7 @@ def _check_model(engine: str, key: str, path: str) -> None:
     if path.startswith("-"):
         raise JobError(f"{where}: {path!r} is not a model (it starts with '-')")
     try:
-        if engine == "embedded":
+        if engine_kind(engine).shipped_models:
             if shipped_model_dir(path) is None and not (Path(path) / "config.json").is_file():
                 raise JobError(f"{where}: {path!r} is neither a shipped model nor a model "
                                "directory")

@@ -8,6 +8,7 @@ and per-sample statistics. Token-level arrays stay in the run's Parquet file (``
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -25,7 +26,10 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, relationship
+
+from evalsvc.types import SAMPLE_COLUMNS, JobStatus, RunStatus, SampleColumn
+from evalsvc.types import Verdict as RunVerdict
 
 NAMING = {"ix": "ix_%(column_0_label)s", "uq": "uq_%(table_name)s_%(column_0_N_name)s",
           "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
@@ -54,6 +58,29 @@ class UTCDateTime(TypeDecorator):
         if value is None:
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class EnumString(TypeDecorator):
+    """A ``StrEnum``'s values in a plain VARCHAR (no database enum type, so no migration): written
+    as their strings, read back as the enum's members (a value it lacks, as the string it is)."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, enum: type[StrEnum], length: int = 20) -> None:
+        super().__init__(length)
+        self.enum = enum
+
+    def process_bind_param(self, value: str | None, dialect) -> str | None:
+        return None if value is None else str(value)
+
+    def process_result_value(self, value: str | None, dialect) -> str | None:
+        if value is None:
+            return None
+        try:
+            return self.enum(value)
+        except ValueError:
+            return value
 
 
 class Base(DeclarativeBase):
@@ -89,7 +116,7 @@ class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     trigger: Mapped[str] = mapped_column(String(20))  # api | nightly | cli | bisect
-    status: Mapped[str] = mapped_column(String(20), index=True)  # queued running done failed cancelled
+    status: Mapped[str] = mapped_column(EnumString(JobStatus), index=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -121,9 +148,9 @@ class Run(Base):
     resolved_args: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     reference: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     command: Mapped[list[str] | None] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(20), index=True)  # pending running done cancelled
+    status: Mapped[str] = mapped_column(EnumString(RunStatus), index=True)
     engine_pid: Mapped[int | None] = mapped_column(Integer)  # its process group while running
-    verdict: Mapped[str | None] = mapped_column(String(20))
+    verdict: Mapped[str | None] = mapped_column(EnumString(RunVerdict))
     reason: Mapped[str | None] = mapped_column(Text)
     startup_seconds: Mapped[float | None] = mapped_column(Float)
     seconds: Mapped[float | None] = mapped_column(Float)
@@ -148,7 +175,7 @@ class ScenarioRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     scenario: Mapped[str] = mapped_column(String(40))
-    verdict: Mapped[str] = mapped_column(String(20))
+    verdict: Mapped[str] = mapped_column(EnumString(RunVerdict))
     reason: Mapped[str | None] = mapped_column(Text)
     seconds: Mapped[float | None] = mapped_column(Float)
 
@@ -167,30 +194,30 @@ class Metric(Base):
 
 
 class Sample(Base):
+    """One evaluated sample of a scenario of a run: its key here, and a column per field of
+    ``types.SampleScalars`` (added below from ``SAMPLE_COLUMNS``, their one declaration)."""
+
     __tablename__ = "samples"
     __table_args__ = (UniqueConstraint("run_id", "scenario", "sample_id"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     scenario: Mapped[str] = mapped_column(String(40))
     sample_id: Mapped[str] = mapped_column(String(100))
-    prompt_id: Mapped[str] = mapped_column(String(200))
-    prompt_tokens: Mapped[int] = mapped_column(Integer)
-    cached_tokens: Mapped[int] = mapped_column(Integer)
-    host_cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    completion_tokens: Mapped[int] = mapped_column(Integer)
-    hit: Mapped[bool] = mapped_column(Boolean)
-    kl_k1_mean: Mapped[float | None] = mapped_column(Float)
-    kl_k2_mean: Mapped[float | None] = mapped_column(Float)
-    kl_k3_mean: Mapped[float | None] = mapped_column(Float)
-    kl_k3_max: Mapped[float | None] = mapped_column(Float)
-    topk_kl_mean: Mapped[float | None] = mapped_column(Float)
-    same_top_rate: Mapped[float | None] = mapped_column(Float)
-    first_divergence: Mapped[int | None] = mapped_column(Integer)
-    accept_length: Mapped[float | None] = mapped_column(Float)
-    # the extend: prompt tokens prefilled on the cached prefix, against the cold reference
-    extend_tokens: Mapped[int | None] = mapped_column(Integer)
-    extend_kl_k3_mean: Mapped[float | None] = mapped_column(Float)
-    extend_kl_k3_max: Mapped[float | None] = mapped_column(Float)
+
+
+SQL_TYPES = {str: String, int: Integer, float: Float, bool: Boolean}
+
+
+def sample_column(c: SampleColumn) -> MappedColumn[Any]:
+    """The store's column of a declared sample field."""
+    return mapped_column(SQL_TYPES[c.type](c.length) if c.length else SQL_TYPES[c.type],
+                         nullable=c.nullable, default=c.default)
+
+
+# declarative takes columns added to a mapped class, in this order, onto its table
+for _c in SAMPLE_COLUMNS:
+    setattr(Sample, _c.name, sample_column(_c))
+del _c
 
 
 class GoldenRun(Base):

@@ -23,6 +23,7 @@ from evalsvc.store.models import (
     ScenarioRow,
     Verdict,
 )
+from evalsvc.types import Verdict as RunVerdict
 
 SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length",
                   "extend_kl_k3_mean"}
@@ -181,7 +182,7 @@ def errored_runs(session: Session, job_ids: list[str]) -> dict[str, int]:
     if not job_ids:
         return {}
     return dict(session.execute(select(Run.job_id, func.count()).where(
-        Run.job_id.in_(job_ids), Run.verdict == "error").group_by(Run.job_id)).all())
+        Run.job_id.in_(job_ids), Run.verdict == RunVerdict.ERROR).group_by(Run.job_id)).all())
 
 
 def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
@@ -195,7 +196,7 @@ def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
             "spec": job.spec, "created_at": job.created_at, "started_at": job.started_at,
             "finished_at": job.finished_at, "error": job.error,
             "cancel_requested_at": job.cancel_requested_at,
-            "runs_errored": sum(r.verdict == "error" for r in runs),
+            "runs_errored": sum(r.verdict == RunVerdict.ERROR for r in runs),
             "runs": [{"id": r.id, "config": r.config, "fingerprint": r.fingerprint,
                       "build_id": r.build_id, "build": r.build.commit.ref
                       + (f"+{r.build.patch_set}" if r.build.patch_set else ""),
@@ -404,7 +405,7 @@ def commit_failures(session: Session, commit_ids: list[int]) -> set[tuple[int, s
                                .join(Run, ScenarioRow.run_id == Run.id)
                                .join(Build, Run.build_id == Build.id)
                                .where(Build.commit_id.in_(commit_ids),
-                                      ScenarioRow.verdict == "fail")).all())
+                                      ScenarioRow.verdict == RunVerdict.FAIL)).all())
 
 
 def run_models(session: Session, run_ids: list[int]) -> dict[int, str]:
@@ -440,7 +441,7 @@ def job_summaries(session: Session, *, status: str | None = None,
              "matrix": j.spec.get("matrix_name") or j.spec.get("matrix"),
              "created_at": j.created_at, "started_at": j.started_at,
              "finished_at": j.finished_at, "error": j.error, "progress": progress[j.id],
-             "verdicts": verdicts[j.id], "runs_errored": verdicts[j.id].get("error", 0)}
+             "verdicts": verdicts[j.id], "runs_errored": verdicts[j.id].get(RunVerdict.ERROR, 0)}
             for j in jobs]
 
 

@@ -30,7 +30,8 @@ from evalsvc.store.models import (
     utcnow,
 )
 from evalsvc.thresholds import Limits
-from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, RunResult
+from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, JobStatus, RunResult, RunStatus
+from evalsvc.types import Verdict as VerdictKind
 
 # scenario metrics whose interval and sample count go on the row of their mean
 INTERVALS = ("kl_k3", "extend_kl_k3")
@@ -94,11 +95,11 @@ def ensure_build(session: Session, b: BuildRef) -> Build:
 
 
 def ensure_job(session: Session, job_id: str, trigger: str, spec: dict[str, Any],
-               priority: int = 0, status: str = "running") -> Job:
+               priority: int = 0, status: str = JobStatus.RUNNING) -> Job:
     job = session.get(Job, job_id)
     if job is None:
         job = Job(id=job_id, trigger=trigger, spec=spec, priority=priority, status=status,
-                  started_at=utcnow() if status == "running" else None)
+                  started_at=utcnow() if status == JobStatus.RUNNING else None)
         session.add(job)
         session.flush()
     return job
@@ -167,7 +168,8 @@ def record_run(session: Session, job: Job, build: Build, matrix: str, result: Ru
     run.resolved_args = result.resolved_args
     run.reference = result.reference
     run.command = result.command
-    run.status = "cancelled" if result.verdict == "cancelled" else "done"
+    run.status = (RunStatus.CANCELLED if result.verdict == VerdictKind.CANCELLED
+                  else RunStatus.DONE)
     run.verdict, run.reason = result.verdict, result.reason or None
     run.engine_pid = None
     run.startup_seconds, run.seconds = result.startup_seconds, result.seconds
@@ -210,7 +212,7 @@ def plan_run(session: Session, job: Job, build: Build, matrix: str, config,
         run = Run(job_id=job.id, build_id=build.id, fingerprint=config.fingerprint,
                   config=config.name, matrix=matrix, model=config.model,
                   settings=dict(config.settings), requested_args=dict(config.args),
-                  status="pending")
+                  status=RunStatus.PENDING)
         session.add(run)
     if limits is not None and run.limits is None:
         run.limits = {name: lim.model_dump(mode="json") for name, lim in limits.items()}
@@ -249,5 +251,5 @@ def record_results(store: Store, *, job_id: str, trigger: str, spec: dict[str, A
         ids.append(run_id)
     with store.session() as s:
         job = s.get(Job, job_id)
-        job.status, job.finished_at = "done", utcnow()
+        job.status, job.finished_at = JobStatus.DONE, utcnow()
     return ids

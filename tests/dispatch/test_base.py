@@ -240,3 +240,28 @@ def test_keep_earlier_moves_a_file_aside_to_the_first_free_attempt(tmp_path):
         assert keep_earlier(log) is not None and not log.exists()
     assert (tmp_path / "run.log.attempt-1").read_text() == "one"
     assert (tmp_path / "run.log.attempt-2").read_text() == "two"
+
+
+def test_a_task_travels_as_plain_data_and_comes_back_the_same(tmp_path):
+    """``RunTask.to_wire`` (what the Ray dispatcher sends) is JSON, and ``from_wire`` reads back
+    the same task: matrix, config and engine spec typed again."""
+    import json
+
+    from evalsvc.matrix import Config
+
+    matrix = MatrixFile.model_validate({
+        "name": "fake", "engine": "sglang", "models": {"m": {"path": "/models/m"}},
+        "include": [{"strategy": "extra_buffer", "overlap": True}], "scenarios": ["cold"],
+        "engine_env": {"SGLANG_USE_CPU_ENGINE": "1"}})
+    spec = EngineSpec(kind="sglang", python=FAKE_PYTHON, env={"A": "1"}, env_name="env-1")
+    task = RunTask.make("job-1", 7, matrix, expand(matrix, hardware="gpu")[0], spec,
+                        [("p0", (1, 2, 3))], tmp_path / "logs", build={"source": None,
+                                                                      "version": "0.5.9"},
+                        run_timeout_s=60)
+    wire = json.loads(json.dumps(task.to_wire()))
+    back = RunTask.from_wire(wire)
+    assert back == task
+    assert isinstance(back.matrix, MatrixFile) and isinstance(back.config, Config)
+    assert isinstance(back.engine, EngineSpec) and back.engine.env_name == "env-1"
+    assert back.config.scenarios == ("cold",) and back.prompts == [("p0", [1, 2, 3])]
+    assert back.run_timeout_s == 60 and back.outcome("error", "x").config == task.config.name
