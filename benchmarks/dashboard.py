@@ -50,7 +50,7 @@ from benchmarks.store import (  # noqa: E402
 from evalsvc.app import create_app  # noqa: E402
 from evalsvc.settings import Settings  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
-from evalsvc.store.models import Build, Commit, Job, Run, Sample  # noqa: E402
+from evalsvc.store.models import Build, Commit, Job, Run, SampleRow  # noqa: E402
 
 TARGET_MS = 1000.0
 TOKENS = 24
@@ -81,7 +81,7 @@ def add_files(store: Store, files: Path) -> dict[str, Any]:
             s.execute(update(Run).where(Run.id == run_id).values(log_path=str(log)))
         run_id, _, requested = runs[0]
         vocab = 259 if "mamba2" in requested["model_path"] else 1024
-        samples = s.execute(select(Sample).where(Sample.run_id == run_id)).scalars().all()
+        samples = s.execute(select(SampleRow).where(SampleRow.run_id == run_id)).scalars().all()
         rows = []
         for sample in samples:
             dec = rng.normal(-1.0, 0.6, TOKENS).clip(max=0.0)
@@ -100,7 +100,7 @@ def add_files(store: Store, files: Path) -> dict[str, Any]:
         path = files / "samples.parquet"
         pd.DataFrame(rows).to_parquet(path, index=False)
         s.execute(update(Run).where(Run.id == run_id).values(samples_path=str(path)))
-        s.execute(update(Sample).where(Sample.run_id == run_id).values(first_divergence=5))
+        s.execute(update(SampleRow).where(SampleRow.run_id == run_id).values(first_divergence=5))
         newest = s.scalars(select(Commit.ref).join(Build)
                            .order_by(Commit.committed_at.desc()).limit(2)).all()
     return {"job": job_id, "run": run_id, "sample": samples[0].sample_id,

@@ -66,8 +66,8 @@ from evalsvc.store.models import (  # noqa: E402
     Metric,
     Regression,
     Run,
-    Sample,
-    Verdict,
+    SampleRow,
+    VerdictRow,
 )
 from evalsvc.store.record import write_verdicts  # noqa: E402
 from evalsvc.types import SAMPLE_FIELDS, RunResult, ScenarioResult  # noqa: E402
@@ -89,11 +89,11 @@ SGLANG_KL_THRESHOLD = 0.002
 def judged(store: Store, run_ids: list[int]) -> list[dict[str, Any]]:
     """The regression verdicts of these runs, and each scenario's mean KL and acceptance."""
     with store.session() as s:
-        verdicts = s.execute(select(Run.config, Verdict.scenario, Verdict.metric, Verdict.verdict,
-                                    Verdict.method, Verdict.evidence, Verdict.value,
-                                    Verdict.baseline, Verdict.reason)
-                             .join(Run, Run.id == Verdict.run_id)
-                             .where(Verdict.run_id.in_(run_ids))).all()
+        verdicts = s.execute(select(Run.config, VerdictRow.scenario, VerdictRow.metric, VerdictRow.verdict,
+                                    VerdictRow.method, VerdictRow.evidence, VerdictRow.value,
+                                    VerdictRow.baseline, VerdictRow.reason)
+                             .join(Run, Run.id == VerdictRow.run_id)
+                             .where(VerdictRow.run_id.in_(run_ids))).all()
     return [{"config": c, "scenario": sc, "metric": m, "verdict": v, "method": meth,
              "test": (ev or {}).get("test"), "value": val, "baseline": base, "reason": why}
             for c, sc, m, v, meth, ev, val, base, why in verdicts]
@@ -109,10 +109,10 @@ def sglang_method(store: Store, run_ids: list[int], pairs: set[tuple[str, str]]
                          .join(Run, Run.id == Metric.run_id)
                          .where(Metric.run_id.in_(run_ids),
                                 Metric.name.in_(["kl_k3_mean", "accept_length"]))).all()
-        floors = dict(s.execute(select(Verdict.scenario, Verdict.threshold)
-                                .where(Verdict.run_id.in_(run_ids),
-                                       Verdict.metric == "accept_length",
-                                       Verdict.scenario == "speculative")).all())
+        floors = dict(s.execute(select(VerdictRow.scenario, VerdictRow.threshold)
+                                .where(VerdictRow.run_id.in_(run_ids),
+                                       VerdictRow.metric == "accept_length",
+                                       VerdictRow.scenario == "speculative")).all())
     kl = {(c, sc): v for c, sc, name, v in rows if name == "kl_k3_mean" and (c, sc) in pairs}
     acc = {(c, sc): v for c, sc, name, v in rows if name == "accept_length"
            and sc == "speculative" and (c, sc) in pairs}
@@ -237,7 +237,7 @@ def stored_result(s, run: Run) -> RunResult:
                                        .where(Metric.run_id == run.id)):
         metrics.setdefault(scen, {})[name] = value
     samples: dict[str, list[dict[str, Any]]] = {}
-    for row in s.scalars(select(Sample).where(Sample.run_id == run.id).order_by(Sample.id)):
+    for row in s.scalars(select(SampleRow).where(SampleRow.run_id == run.id).order_by(SampleRow.id)):
         samples.setdefault(row.scenario, []).append(
             {"sample_id": row.sample_id, **{k: getattr(row, k, None) for k in SAMPLE_FIELDS},
              **extends.get((row.scenario, row.sample_id), {})})

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from evalsvc.app import create_app  # noqa: E402
 from evalsvc.settings import Settings  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
-from evalsvc.store.models import Build, Commit, Run, Sample  # noqa: E402
+from evalsvc.store.models import Build, Commit, Run, SampleRow  # noqa: E402
 from evalsvc.store.record import BuildRef  # noqa: E402
 from tests.store.factories import record, run_result  # noqa: E402
 
@@ -92,9 +92,9 @@ def add_history(store: Store, results_dir: Path) -> None:
 def diverged_sample(store: Store) -> str:
     with store.session() as s:
         run_id, sample_id = s.execute(
-            select(Sample.run_id, Sample.sample_id).join(Run).join(Build)
-            .where(Build.patch_set == DEFECT, Sample.scenario == "prefill_hit",
-                   Sample.first_divergence > 0).order_by(Run.id)).first()
+            select(SampleRow.run_id, SampleRow.sample_id).join(Run).join(Build)
+            .where(Build.patch_set == DEFECT, SampleRow.scenario == "prefill_hit",
+                   SampleRow.first_divergence > 0).order_by(Run.id)).first()
     return f"/runs/{run_id}/samples/{sample_id}?scenario=prefill_hit"
 
 

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from evalsvc.matrix import SCENARIOS, config_name  # noqa: E402
 from evalsvc.metrics import paired_difference_ci  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
-from evalsvc.store.models import Build, Commit, Job, Metric, Run, Sample, ScenarioRow  # noqa: E402
+from evalsvc.store.models import Build, Commit, Job, Metric, Run, SampleRow, ScenarioRow  # noqa: E402
 from evalsvc.store.queries import compare, latest_per_config, metric_history  # noqa: E402
 
 METRIC_NAMES = ("kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_token_mean", "kl_k3_p50", "kl_k3_p99",
@@ -64,7 +64,7 @@ HISTORY_SCENARIO = "prefill_hit"
 REPOSITORY = "sgl-project/sglang"
 MATRIX = "mamba-full"
 TABLES = {"commits": Commit, "builds": Build, "jobs": Job, "runs": Run, "scenarios": ScenarioRow,
-          "metrics": Metric, "samples": Sample}
+          "metrics": Metric, "samples": SampleRow}
 
 
 # ---------------------------------------------------------------- synthetic configs and rows
@@ -304,9 +304,9 @@ def check_compare(rows: list[dict[str, Any]], n_configs: int, session_factory) -
     assert all(r["paired_samples"] == SAMPLES_PER_SCENARIO for r in rows)
     with session_factory() as s:
         for r in rows:
-            pairs = s.execute(select(Sample.run_id, Sample.sample_id, Sample.kl_k3_mean)
-                              .where(Sample.run_id.in_([r["baseline_run"], r["contender_run"]]),
-                                     Sample.scenario == r["scenario"])).all()
+            pairs = s.execute(select(SampleRow.run_id, SampleRow.sample_id, SampleRow.kl_k3_mean)
+                              .where(SampleRow.run_id.in_([r["baseline_run"], r["contender_run"]]),
+                                     SampleRow.scenario == r["scenario"])).all()
             b = {sid: v for rid, sid, v in pairs if rid == r["baseline_run"]}
             c = {sid: v for rid, sid, v in pairs if rid == r["contender_run"]}
             ids = sorted(set(b) & set(c))

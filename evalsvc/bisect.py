@@ -38,15 +38,14 @@ from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
 from evalsvc.store import audit
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
-from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, Verdict, utcnow
-from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, RunStatus
-from evalsvc.types import Verdict as RunVerdict
+from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, VerdictRow, utcnow
+from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, RunStatus, Verdict
 
 log = logging.getLogger("evalsvc.bisect")
 T = TypeVar("T")
 SETTLE = 30.0  # seconds: a step's job is looked at this often even when no end was signalled
 # the verdicts of a run (and its scenarios) that decide a step: good or bad, not unmeasured
-DECIDING = (RunVerdict.PASS, RunVerdict.FAIL, RunVerdict.EXPECTED)
+DECIDING = (Verdict.PASS, Verdict.FAIL, Verdict.EXPECTED)
 
 
 class BisectCreate(BaseModel):
@@ -329,9 +328,9 @@ class Bisector:
             run = s.get(Run, run_id)
             scen = next((x for x in run.scenarios if x.scenario == spec.scenario), None)
             if spec.scenario == POOLED:  # no scenario row: the pooled verdict decides
-                v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
-                                                    Verdict.scenario == POOLED,
-                                                    Verdict.metric == spec.metric)).first()
+                v = s.scalars(select(VerdictRow).where(VerdictRow.run_id == run_id,
+                                                    VerdictRow.scenario == POOLED,
+                                                    VerdictRow.metric == spec.metric)).first()
                 if v is None or v.verdict not in ("pass", "regression", "improvement", "expected"):
                     raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide (no pooled "
                                       f"{spec.metric} verdict: {run.verdict}: {run.reason})")
@@ -341,9 +340,9 @@ class Bisector:
                        else f"{run.verdict}: {run.reason}")
                 raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide ({why})")
             if spec.metric:
-                v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
-                                                    Verdict.scenario == spec.scenario,
-                                                    Verdict.metric == spec.metric)).first()
+                v = s.scalars(select(VerdictRow).where(VerdictRow.run_id == run_id,
+                                                    VerdictRow.scenario == spec.scenario,
+                                                    VerdictRow.metric == spec.metric)).first()
                 if v is None:
                     raise BisectError(f"commit {sha[:12]}: run {run_id} has no "
                                       f"{spec.metric} verdict for {spec.scenario}")

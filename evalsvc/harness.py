@@ -44,7 +44,7 @@ from evalsvc.engines.sglang_server import (
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, Sample
-from evalsvc.types import RunResult, SampleRow, ScenarioResult, TopLogprobs, worst
+from evalsvc.types import RunResult, SampleFields, ScenarioResult, TopLogprobs, worst
 
 log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
@@ -477,7 +477,7 @@ def score(name: str, samples: list[Sample], config: Config, matrix: MatrixFile,
                 metrics.topk_kl_and_same_top(s.completion.top.positions,
                                              s.reference_top.positions)
         raise
-    rows: list[SampleRow] = []
+    rows: list[SampleFields] = []
     topk_vals, same_top = [], []
     per_sample = zip(kl.lengths.tolist(), kl.k1_mean.tolist(), kl.k2_mean.tolist(),
                      kl.k3_mean.tolist(), kl.k3_max.tolist(), kl.first_above.tolist(),
@@ -544,7 +544,7 @@ def collections_held():
 
 def sample_row(s: Sample, n: int, k1_mean: float, k2_mean: float, k3_mean: float,
                k3_max: float, first_divergence: int, n_extend: int, extend_mean: float,
-               extend_max: float, top_arrays: tuple[Any, Any] = (None, None)) -> SampleRow:
+               extend_max: float, top_arrays: tuple[Any, Any] = (None, None)) -> SampleFields:
     """One sample's row: its ``n`` generated tokens' mean k1/k2/k3 and max k3 (nats), the index of
     the first whose logprobs differ by more than DIVERGENCE_TOL (-1: none), the same of its
     ``n_extend`` extend tokens, and both sides' logprobs and the output ids: the sample's own

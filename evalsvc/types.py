@@ -129,7 +129,7 @@ class SampleScalars(TypedDict):
     token whose logprobs differ from the reference's (None: none), the same of the extend (the
     prompt tokens prefilled on a cached prefix, against a cold prefill; None without any).
 
-    The one declaration of those columns: ``store.models.Sample`` makes its columns from it
+    The one declaration of those columns: ``store.models.SampleRow`` makes its columns from it
     (``SAMPLE_COLUMNS``); the migrations, history, must agree (tests/store/test_sample_schema.py).
     A column takes NULL when its field may be None or absent, or is noted ``NULLABLE``."""
 
@@ -170,7 +170,7 @@ class SampleTokens(TypedDict):
     extend_reference_logprobs: list[float]
 
 
-class SampleRow(SampleScalars, SampleTokens):
+class SampleFields(SampleScalars, SampleTokens):
     """One evaluated sample, as ``harness.score`` makes it."""
 
     sample_id: str
@@ -229,7 +229,7 @@ class ScenarioResult:
     verdict: str
     reason: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
-    samples: list[SampleRow] = field(default_factory=list)
+    samples: list[SampleFields] = field(default_factory=list)
     seconds: float = 0.0
 
 

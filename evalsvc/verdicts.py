@@ -46,8 +46,8 @@ from evalsvc.store.models import (
     Metric,
     Regression,
     Run,
-    Sample,
-    Verdict,
+    SampleRow,
+    VerdictRow,
     utcnow,
 )
 from evalsvc.thresholds import Limits, ThresholdsFile, load_thresholds
@@ -106,9 +106,9 @@ def kept_runs(session: Session, run: Run, candidates: list[Run], scenario: str,
     start = order_key(expected.first_run) if expected is not None else None
     triaged = expected.triaged_at if expected is not None else None
     ids = [r.id for r in candidates]
-    flagged = set(session.scalars(select(Verdict.run_id).where(
-        Verdict.run_id.in_(ids), Verdict.scenario == scenario, Verdict.metric == metric,
-        Verdict.verdict == "regression")))
+    flagged = set(session.scalars(select(VerdictRow.run_id).where(
+        VerdictRow.run_id.in_(ids), VerdictRow.scenario == scenario, VerdictRow.metric == metric,
+        VerdictRow.verdict == "regression")))
 
     def kept(r: Run) -> bool:
         if r.id not in flagged:
@@ -143,9 +143,9 @@ def known_failures(session: Session, run: Run) -> dict[tuple[str, str], KnownFai
 def failure_level(session: Session, reg: Regression) -> float | None:
     """The worst value of a regression's metric over the run that opened it and the latest it
     has seen: the level it holds to once triaged expected. None without verdicts."""
-    values = [v for v in session.scalars(select(Verdict.value).where(
-        Verdict.run_id.in_({reg.first_run_id, reg.last_run_id}), Verdict.scenario == reg.scenario,
-        Verdict.metric == reg.metric)) if v is not None]
+    values = [v for v in session.scalars(select(VerdictRow.value).where(
+        VerdictRow.run_id.in_({reg.first_run_id, reg.last_run_id}), VerdictRow.scenario == reg.scenario,
+        VerdictRow.metric == reg.metric)) if v is not None]
     if not values:
         return None
     return max(values) if METRICS.get(reg.metric, 1) > 0 else min(values)
@@ -183,8 +183,8 @@ def baseline_series(session: Session, run: Run, candidates: list[Run], scenario:
         Metric.name == metric)).all())
     per_run: dict[int, dict[str, float]] = {}
     for run_id, sample_id, v in session.execute(
-            select(Sample.run_id, Sample.sample_id, getattr(Sample, metric)).where(
-                Sample.run_id.in_([r.id for r in keep]), Sample.scenario == scenario)):
+            select(SampleRow.run_id, SampleRow.sample_id, getattr(SampleRow, metric)).where(
+                SampleRow.run_id.in_([r.id for r in keep]), SampleRow.scenario == scenario)):
         if v is not None:
             per_run.setdefault(run_id, {})[sample_id] = v
     series = Series()
@@ -203,8 +203,8 @@ def pooled_series(session: Session, run: Run, candidates: list[Run], scenarios: 
     keep = kept_runs(session, run, candidates, POOLED, metric)
     per_run: dict[int, dict[str, float]] = {}
     for run_id, scenario, sample_id, v in session.execute(
-            select(Sample.run_id, Sample.scenario, Sample.sample_id, getattr(Sample, metric))
-            .where(Sample.run_id.in_([r.id for r in keep]), Sample.scenario.in_(scenarios))):
+            select(SampleRow.run_id, SampleRow.scenario, SampleRow.sample_id, getattr(SampleRow, metric))
+            .where(SampleRow.run_id.in_([r.id for r in keep]), SampleRow.scenario.in_(scenarios))):
         if v is not None:
             per_run.setdefault(run_id, {})[f"{scenario}/{sample_id}"] = v
     series = Series()
@@ -270,7 +270,7 @@ def run_history(session: Session, run: Run, scenarios: Iterable[str],
     return history
 
 
-def track(session: Session, run: Run, verdicts: list[Verdict]) -> None:
+def track(session: Session, run: Run, verdicts: list[VerdictRow]) -> None:
     """Open, extend or close the regressions of the run's series (only from the series' newest
     run: evaluations of older commits, such as bisection steps, never move them). A regression
     verdict extends the series' open regression that is not a known failure (triaged expected),
@@ -317,8 +317,8 @@ def last_good_run(session: Session, run: Run, scenario: str, metric: str) -> int
     """The newest earlier run of the series whose verdict for this scenario and metric was a
     pass (or an improvement): where a bisection starts."""
     for r in earlier_runs(session, run, limit=100):
-        v = session.scalars(select(Verdict.verdict).where(
-            Verdict.run_id == r.id, Verdict.scenario == scenario, Verdict.metric == metric)).first()
+        v = session.scalars(select(VerdictRow.verdict).where(
+            VerdictRow.run_id == r.id, VerdictRow.scenario == scenario, VerdictRow.metric == metric)).first()
         if v in ("pass", "improvement"):
             return r.id
     return None
@@ -348,8 +348,8 @@ def compare_builds(session: Session, baseline_build: int, contender_build: int,
         scenario = row["scenario"]
         per_run: dict[int, dict[str, float]] = {base.id: {}, cont.id: {}}
         for run_id, sample_id, value in session.execute(
-                select(Sample.run_id, Sample.sample_id, getattr(Sample, metric))
-                .where(Sample.run_id.in_([base.id, cont.id]), Sample.scenario == scenario)):
+                select(SampleRow.run_id, SampleRow.sample_id, getattr(SampleRow, metric))
+                .where(SampleRow.run_id.in_([base.id, cont.id]), SampleRow.scenario == scenario)):
             if value is not None:
                 per_run[run_id][sample_id] = value
         coverage = [v for v in session.scalars(select(Metric.value).where(

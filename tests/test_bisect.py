@@ -183,7 +183,7 @@ def test_a_known_failure_is_bad_for_its_own_bisection_and_good_for_a_worse_one(t
     bad commit when the bisection searches that known failure (or names no regression), and a
     good one when it searches the regression that went past it."""
     from evalsvc.bisect import BisectSpec
-    from evalsvc.store.models import Regression, Run, ScenarioRow, Verdict
+    from evalsvc.store.models import Regression, Run, ScenarioRow, VerdictRow
     from evalsvc.store.record import record_results
     from tests.store.factories import build_ref, job_spec, run_result
 
@@ -195,7 +195,7 @@ def test_a_known_failure_is_bad_for_its_own_bisection_and_good_for_a_worse_one(t
     with bisector.store.session() as s:
         run = s.get(Run, run_id)
         s.scalars(select(ScenarioRow).where(ScenarioRow.run_id == run_id)).one().verdict = "expected"
-        s.add(Verdict(run_id=run_id, scenario="prefill_hit", metric="kl_k3_mean",
+        s.add(VerdictRow(run_id=run_id, scenario="prefill_hit", metric="kl_k3_mean",
                       verdict="expected", method="threshold", value=0.05))
         regs = {}
         for triage in ("expected", None):

@@ -15,7 +15,7 @@ from evalsvc.jobs.record import JobRecord, end_job
 from evalsvc.matrix import Config, load_matrix
 from evalsvc.store import queries
 from evalsvc.store.db import Store
-from evalsvc.store.models import Job, Run, Verdict
+from evalsvc.store.models import Job, Run, VerdictRow
 from evalsvc.store.record import BuildRef, ensure_job
 from evalsvc.types import RunResult, ScenarioResult
 from evalsvc.verdicts import triage_regression
@@ -61,7 +61,7 @@ def test_runs_are_planned_first_then_recorded_and_judged_as_each_ends(db_url, en
     assert done.samples_path == str(tmp_path / "results" / "cli-a" / f"{done.id}.parquet")
     with store.session() as s:
         verdicts = {(v.scenario, v.metric): v.verdict
-                    for v in s.scalars(select(Verdict).where(Verdict.run_id == done.id))}
+                    for v in s.scalars(select(VerdictRow).where(VerdictRow.run_id == done.id))}
         # judged in the same transaction, on the job's engine (sglang: KL max 5e-3)
         assert verdicts[("cold", "kl_k3_mean")] == "pass"
         assert verdicts[("prefill_hit", "kl_k3_mean")] == "regression"

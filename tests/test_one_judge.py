@@ -28,7 +28,7 @@ from evalsvc.jobs.record import JobRecord, end_job, plan_build_runs, record_resu
 from evalsvc.matrix import Config, load_matrix
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
-from evalsvc.store.models import Job, Run, ScenarioRow, Verdict
+from evalsvc.store.models import Job, Run, ScenarioRow, VerdictRow
 from evalsvc.store.record import BuildRef, ensure_job
 from evalsvc.types import RunResult
 from tests.store.factories import build_ref, fingerprint_of, run_result
@@ -124,7 +124,7 @@ def test_the_recorded_verdicts_are_the_judges(db_url, engines, tmp_path, monkeyp
         assert run.verdict == want_run
         assert {r.scenario: r.verdict for r in s.scalars(
             select(ScenarioRow).where(ScenarioRow.run_id == run.id))} == want_scen
-        reasons = {v.reason for v in s.scalars(select(Verdict).where(Verdict.run_id == run.id))}
+        reasons = {v.reason for v in s.scalars(select(VerdictRow).where(VerdictRow.run_id == run.id))}
         assert (reasons == {PATCHED}) == patch
         assert set(run.limits) == {"cold", "prefill_hit", "pooled"}  # stored when planned
         assert run.limits["prefill_hit"]["kl_k3_mean"]["max"] == 5e-3

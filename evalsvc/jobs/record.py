@@ -21,7 +21,7 @@ from evalsvc.jobs.spec import JobSpec, job_spec
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
 from evalsvc.store.db import Store
-from evalsvc.store.models import Job, Run, Verdict, utcnow
+from evalsvc.store.models import Job, Run, VerdictRow, utcnow
 from evalsvc.store.record import (
     BuildRef,
     ensure_build,
@@ -117,8 +117,8 @@ def record_result(store: Store, results_dir: Path, job_id: str, run_id: int,
         record_run(s, run.job, run.build, run.matrix, copy, path, judgements)
         spec = job_spec(run.job)
         if spec is not None and spec.track:
-            track(s, run, list(s.scalars(select(Verdict).where(Verdict.run_id == run.id)
-                                         .order_by(Verdict.id))))
+            track(s, run, list(s.scalars(select(VerdictRow).where(VerdictRow.run_id == run.id)
+                                         .order_by(VerdictRow.id))))
         judged[:] = [copy]
 
     try:  # a lost connection is retried first (the database server restarting)

@@ -28,8 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, relationship
 
-from evalsvc.types import SAMPLE_COLUMNS, JobStatus, RunStatus, SampleColumn
-from evalsvc.types import Verdict as RunVerdict
+from evalsvc.types import SAMPLE_COLUMNS, JobStatus, RunStatus, SampleColumn, Verdict
 
 NAMING = {"ix": "ix_%(column_0_label)s", "uq": "uq_%(table_name)s_%(column_0_N_name)s",
           "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
@@ -150,7 +149,7 @@ class Run(Base):
     command: Mapped[list[str] | None] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(EnumString(RunStatus), index=True)
     engine_pid: Mapped[int | None] = mapped_column(Integer)  # its process group while running
-    verdict: Mapped[str | None] = mapped_column(EnumString(RunVerdict))
+    verdict: Mapped[str | None] = mapped_column(EnumString(Verdict))
     reason: Mapped[str | None] = mapped_column(Text)
     startup_seconds: Mapped[float | None] = mapped_column(Float)
     seconds: Mapped[float | None] = mapped_column(Float)
@@ -166,7 +165,7 @@ class Run(Base):
     scenarios: Mapped[list[ScenarioRow]] = relationship(cascade="all, delete-orphan",
                                                         passive_deletes=True)
     metrics: Mapped[list[Metric]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
-    samples: Mapped[list[Sample]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+    samples: Mapped[list[SampleRow]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
 
 
 class ScenarioRow(Base):
@@ -175,7 +174,7 @@ class ScenarioRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     scenario: Mapped[str] = mapped_column(String(40))
-    verdict: Mapped[str] = mapped_column(EnumString(RunVerdict))
+    verdict: Mapped[str] = mapped_column(EnumString(Verdict))
     reason: Mapped[str | None] = mapped_column(Text)
     seconds: Mapped[float | None] = mapped_column(Float)
 
@@ -193,7 +192,7 @@ class Metric(Base):
     count: Mapped[int | None] = mapped_column(Integer)
 
 
-class Sample(Base):
+class SampleRow(Base):
     """One evaluated sample of a scenario of a run: its key here, and a column per field of
     ``types.SampleScalars`` (added below from ``SAMPLE_COLUMNS``, their one declaration)."""
 
@@ -216,7 +215,7 @@ def sample_column(c: SampleColumn) -> MappedColumn[Any]:
 
 # declarative takes columns added to a mapped class, in this order, onto its table
 for _c in SAMPLE_COLUMNS:
-    setattr(Sample, _c.name, sample_column(_c))
+    setattr(SampleRow, _c.name, sample_column(_c))
 del _c
 
 
@@ -232,7 +231,7 @@ class GoldenRun(Base):
     run: Mapped[Run] = relationship()
 
 
-class Verdict(Base):
+class VerdictRow(Base):
     """One metric of one scenario of a run, judged: against fixed limits, the fingerprint's
     history (an interval on the difference) or a change point along its series, with the
     evidence."""

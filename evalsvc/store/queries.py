@@ -19,11 +19,11 @@ from evalsvc.store.models import (
     Metric,
     Regression,
     Run,
-    Sample,
+    SampleRow,
     ScenarioRow,
-    Verdict,
+    VerdictRow,
 )
-from evalsvc.types import Verdict as RunVerdict
+from evalsvc.types import Verdict
 
 SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length",
                   "extend_kl_k3_mean"}
@@ -112,10 +112,10 @@ def compare(session: Session, baseline_build: int, contender_build: int, *,
             scenarios_of.setdefault(run_id, set()).add(scen)
     per_sample: dict[tuple[int, str], dict[str, float]] = {}
     if metric in SAMPLE_METRICS and run_ids:
-        column = getattr(Sample, metric)
+        column = getattr(SampleRow, metric)
         for run_id, scen, sid, val in conn.execute(
-                select(Sample.run_id, Sample.scenario, Sample.sample_id, column)
-                .where(Sample.run_id.in_(run_ids))).all():
+                select(SampleRow.run_id, SampleRow.scenario, SampleRow.sample_id, column)
+                .where(SampleRow.run_id.in_(run_ids))).all():
             if val is not None:
                 per_sample.setdefault((run_id, scen), {})[sid] = val
     rows, pairs, paired_rows = [], [], []
@@ -182,7 +182,7 @@ def errored_runs(session: Session, job_ids: list[str]) -> dict[str, int]:
     if not job_ids:
         return {}
     return dict(session.execute(select(Run.job_id, func.count()).where(
-        Run.job_id.in_(job_ids), Run.verdict == RunVerdict.ERROR).group_by(Run.job_id)).all())
+        Run.job_id.in_(job_ids), Run.verdict == Verdict.ERROR).group_by(Run.job_id)).all())
 
 
 def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
@@ -196,7 +196,7 @@ def job_detail(session: Session, job_id: str) -> dict[str, Any] | None:
             "spec": job.spec, "created_at": job.created_at, "started_at": job.started_at,
             "finished_at": job.finished_at, "error": job.error,
             "cancel_requested_at": job.cancel_requested_at,
-            "runs_errored": sum(r.verdict == RunVerdict.ERROR for r in runs),
+            "runs_errored": sum(r.verdict == Verdict.ERROR for r in runs),
             "runs": [{"id": r.id, "config": r.config, "fingerprint": r.fingerprint,
                       "build_id": r.build_id, "build": r.build.commit.ref
                       + (f"+{r.build.patch_set}" if r.build.patch_set else ""),
@@ -230,7 +230,7 @@ def run_detail(session: Session, run_id: int,
             "verdicts": run_verdicts(session, run_id) if verdicts is None else verdicts}
 
 
-def verdict_dict(v: Verdict) -> dict[str, Any]:
+def verdict_dict(v: VerdictRow) -> dict[str, Any]:
     return {"scenario": v.scenario, "metric": v.metric, "verdict": v.verdict,
             "method": v.method, "value": v.value, "baseline": v.baseline,
             "diff_low": v.diff_low, "diff_high": v.diff_high, "threshold": v.threshold,
@@ -240,7 +240,7 @@ def verdict_dict(v: Verdict) -> dict[str, Any]:
 def run_verdicts(session: Session, run_id: int) -> list[dict[str, Any]]:
     """A run's verdicts per scenario and metric, with their evidence."""
     return [verdict_dict(v) for v in session.scalars(
-        select(Verdict).where(Verdict.run_id == run_id).order_by(Verdict.id))]
+        select(VerdictRow).where(VerdictRow.run_id == run_id).order_by(VerdictRow.id))]
 
 
 def _run_brief(run: Run | None) -> dict[str, Any] | None:
@@ -252,9 +252,9 @@ def _run_brief(run: Run | None) -> dict[str, Any] | None:
 
 
 def regression_dict(session: Session, r: Regression) -> dict[str, Any]:
-    v = session.scalars(select(Verdict).where(Verdict.run_id == r.first_run_id,
-                                              Verdict.scenario == r.scenario,
-                                              Verdict.metric == r.metric)).first()
+    v = session.scalars(select(VerdictRow).where(VerdictRow.run_id == r.first_run_id,
+                                              VerdictRow.scenario == r.scenario,
+                                              VerdictRow.metric == r.metric)).first()
     return {"id": r.id, "state": r.state, "config": r.config, "matrix": r.matrix,
             "fingerprint": r.fingerprint, "patch_set": r.patch_set, "scenario": r.scenario,
             "metric": r.metric, "runs_seen": r.runs_seen, "opened_at": r.opened_at,
@@ -405,7 +405,7 @@ def commit_failures(session: Session, commit_ids: list[int]) -> set[tuple[int, s
                                .join(Run, ScenarioRow.run_id == Run.id)
                                .join(Build, Run.build_id == Build.id)
                                .where(Build.commit_id.in_(commit_ids),
-                                      ScenarioRow.verdict == RunVerdict.FAIL)).all())
+                                      ScenarioRow.verdict == Verdict.FAIL)).all())
 
 
 def run_models(session: Session, run_ids: list[int]) -> dict[int, str]:
@@ -441,7 +441,7 @@ def job_summaries(session: Session, *, status: str | None = None,
              "matrix": j.spec.get("matrix_name") or j.spec.get("matrix"),
              "created_at": j.created_at, "started_at": j.started_at,
              "finished_at": j.finished_at, "error": j.error, "progress": progress[j.id],
-             "verdicts": verdicts[j.id], "runs_errored": verdicts[j.id].get(RunVerdict.ERROR, 0)}
+             "verdicts": verdicts[j.id], "runs_errored": verdicts[j.id].get(Verdict.ERROR, 0)}
             for j in jobs]
 
 
@@ -467,18 +467,18 @@ def job_runs(session: Session, job_id: str) -> list[dict[str, Any]]:
                            .options(selectinload(Run.scenarios), selectinload(Run.metrics),
                                     selectinload(Run.build).selectinload(Build.commit))).all()
     verdicts: dict[int, list[dict[str, Any]]] = {r.id: [] for r in runs}
-    for v in session.scalars(select(Verdict).where(Verdict.run_id.in_(list(verdicts)))
-                             .order_by(Verdict.id)):
+    for v in session.scalars(select(VerdictRow).where(VerdictRow.run_id.in_(list(verdicts)))
+                             .order_by(VerdictRow.id)):
         verdicts[v.run_id].append(verdict_dict(v))
     return [run_detail(session, r.id, verdicts[r.id]) for r in runs]
 
 
 def find_samples(session: Session, run_id: int, sample_id: str,
-                 scenario: str | None = None) -> list[Sample]:
+                 scenario: str | None = None) -> list[SampleRow]:
     """A run's samples of this id (in any scenario, or in ``scenario``)."""
-    q = select(Sample).where(Sample.run_id == run_id, Sample.sample_id == sample_id)
+    q = select(SampleRow).where(SampleRow.run_id == run_id, SampleRow.sample_id == sample_id)
     if scenario:
-        q = q.where(Sample.scenario == scenario)
+        q = q.where(SampleRow.scenario == scenario)
     return list(session.scalars(q))
 
 
@@ -487,11 +487,11 @@ def run_samples(session: Session, run_ids: list[int]) -> dict[int, list[dict[str
     out: dict[int, list[dict[str, Any]]] = {rid: [] for rid in run_ids}
     if not run_ids:
         return out
-    rows = session.execute(select(Sample.run_id, Sample.scenario, Sample.sample_id, Sample.prompt_id,
-                                  Sample.hit, Sample.cached_tokens, Sample.kl_k3_mean,
-                                  Sample.first_divergence)
-                           .where(Sample.run_id.in_(run_ids))
-                           .order_by(Sample.run_id, Sample.scenario, Sample.id))
+    rows = session.execute(select(SampleRow.run_id, SampleRow.scenario, SampleRow.sample_id,
+                                  SampleRow.prompt_id, SampleRow.hit, SampleRow.cached_tokens,
+                                  SampleRow.kl_k3_mean, SampleRow.first_divergence)
+                           .where(SampleRow.run_id.in_(run_ids))
+                           .order_by(SampleRow.run_id, SampleRow.scenario, SampleRow.id))
     for r in rows:
         out[r.run_id].append({"scenario": r.scenario, "sample_id": r.sample_id,
                               "prompt_id": r.prompt_id, "hit": r.hit,
@@ -537,9 +537,9 @@ def known_failures_of(session: Session, run_ids: list[int]) -> dict[tuple[int, s
     out: dict[tuple[int, str], dict[str, Any]] = {}
     if run_ids:
         for run_id, scenario, evidence in session.execute(
-                select(Verdict.run_id, Verdict.scenario, Verdict.evidence)
-                .where(Verdict.run_id.in_(run_ids), Verdict.verdict == "expected")
-                .order_by(Verdict.id)):
+                select(VerdictRow.run_id, VerdictRow.scenario, VerdictRow.evidence)
+                .where(VerdictRow.run_id.in_(run_ids), VerdictRow.verdict == "expected")
+                .order_by(VerdictRow.id)):
             known = (evidence or {}).get("known_failure")
             if known:
                 out.setdefault((run_id, scenario), known)
@@ -567,7 +567,7 @@ def metric_verdicts_of(session: Session, run_ids: list[int]
     they were judged."""
     out: dict[tuple[int, str], list[dict[str, Any]]] = {}
     if run_ids:
-        for v in session.scalars(select(Verdict).where(Verdict.run_id.in_(run_ids))
-                                 .order_by(Verdict.id)):
+        for v in session.scalars(select(VerdictRow).where(VerdictRow.run_id.in_(run_ids))
+                                 .order_by(VerdictRow.id)):
             out.setdefault((v.run_id, v.scenario), []).append(verdict_dict(v))
     return out

@@ -24,14 +24,13 @@ from evalsvc.store.models import (
     Job,
     Metric,
     Run,
-    Sample,
+    SampleRow,
     ScenarioRow,
-    Verdict,
+    VerdictRow,
     utcnow,
 )
 from evalsvc.thresholds import Limits
-from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, JobStatus, RunResult, RunStatus
-from evalsvc.types import Verdict as VerdictKind
+from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, JobStatus, RunResult, RunStatus, Verdict
 
 # scenario metrics whose interval and sample count go on the row of their mean
 INTERVALS = ("kl_k3", "extend_kl_k3")
@@ -168,7 +167,7 @@ def record_run(session: Session, job: Job, build: Build, matrix: str, result: Ru
     run.resolved_args = result.resolved_args
     run.reference = result.reference
     run.command = result.command
-    run.status = (RunStatus.CANCELLED if result.verdict == VerdictKind.CANCELLED
+    run.status = (RunStatus.CANCELLED if result.verdict == Verdict.CANCELLED
                   else RunStatus.DONE)
     run.verdict, run.reason = result.verdict, result.reason or None
     run.engine_pid = None
@@ -181,7 +180,7 @@ def record_run(session: Session, job: Job, build: Build, matrix: str, result: Ru
                                          reason=s.reason or None, seconds=s.seconds))
         run.metrics.extend(metric_rows(s.scenario, s.metrics))
         for row in s.samples:
-            run.samples.append(Sample(scenario=s.scenario, sample_id=row["sample_id"],
+            run.samples.append(SampleRow(scenario=s.scenario, sample_id=row["sample_id"],
                                       **{k: row.get(k) for k in SAMPLE_FIELDS}))
     session.flush()
     if judgements is not None:
@@ -189,10 +188,10 @@ def record_run(session: Session, job: Job, build: Build, matrix: str, result: Ru
     return run
 
 
-def write_verdicts(session: Session, run: Run, judgements: list[Judgement]) -> list[Verdict]:
+def write_verdicts(session: Session, run: Run, judgements: list[Judgement]) -> list[VerdictRow]:
     """A run's metric verdicts (``judging.judge_run``'s judgements), replacing any it had."""
-    session.execute(delete(Verdict).where(Verdict.run_id == run.id))
-    rows = [Verdict(run_id=run.id, scenario=j.scenario, metric=j.metric, verdict=j.verdict,
+    session.execute(delete(VerdictRow).where(VerdictRow.run_id == run.id))
+    rows = [VerdictRow(run_id=run.id, scenario=j.scenario, metric=j.metric, verdict=j.verdict,
                     method=j.method, value=j.value, baseline=j.baseline, diff_low=j.diff_low,
                     diff_high=j.diff_high, threshold=j.threshold, p_value=j.p_value,
                     evidence=j.evidence, reason=j.reason or None) for j in judgements]

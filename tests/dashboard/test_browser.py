@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from evalsvc.store.db import Store
-from evalsvc.store.models import Build, Run, Sample
+from evalsvc.store.models import Build, Run, SampleRow
 from evalsvc.tokenization import load_tokenizer
 from tests.dashboard.conftest import CONFIGS, DEFECT, FAILING
 
@@ -97,10 +97,10 @@ def _diverged_sample(dashboard) -> tuple[int, str, int, int, str]:
     try:
         with store.session() as s:
             run, sample = s.execute(
-                select(Run, Sample).join(Sample, Sample.run_id == Run.id).join(Build)
-                .where(Build.patch_set == DEFECT, Sample.scenario == "prefill_hit",
-                       Sample.first_divergence.is_not(None))
-                .order_by(Sample.first_divergence.desc(), Run.id)).first()
+                select(Run, SampleRow).join(SampleRow, SampleRow.run_id == Run.id).join(Build)
+                .where(Build.patch_set == DEFECT, SampleRow.scenario == "prefill_hit",
+                       SampleRow.first_divergence.is_not(None))
+                .order_by(SampleRow.first_divergence.desc(), Run.id)).first()
             run_id, sample_id, first = run.id, sample.sample_id, sample.first_divergence
             path, model = run.samples_path, run.requested_args["model_path"]
     finally:

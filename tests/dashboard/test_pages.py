@@ -28,7 +28,7 @@ from evalsvc.dashboard.views import (
 )
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
-from evalsvc.store.models import Bisection, Regression, Run, Verdict
+from evalsvc.store.models import Bisection, Regression, Run, VerdictRow
 from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
 
 MAMBA, GDN = "mamba2-eb-ov-c64", "gdn-eb-ov-c64"
@@ -89,16 +89,16 @@ def add_verdicts(store: Store) -> None:
                             ids[("job-aaa111", MAMBA)])
         rel = ids[("job-rel", GDN)]
         s.add_all([
-            Verdict(run_id=bad, scenario="prefill_hit", metric="kl_k3_mean", verdict="regression",
+            VerdictRow(run_id=bad, scenario="prefill_hit", metric="kl_k3_mean", verdict="regression",
                     method="history", value=0.05, baseline=1.5e-13, diff_low=0.0412,
                     diff_high=0.0588, threshold=2.5e-9, p_value=3.2e-5,
                     evidence={"baseline_runs": [first, good], "n": 3, "n_baseline": 6,
                               "confidence": 0.95, "test": "welch", "diff": 0.05},
                     reason="mean KL (k3) 0.05 against 1.5e-13 over 2 earlier runs"),
-            Verdict(run_id=bad, scenario="cold", metric="kl_k3_mean", verdict="pass",
+            VerdictRow(run_id=bad, scenario="cold", metric="kl_k3_mean", verdict="pass",
                     method="threshold", value=1.5e-13, threshold=1e-8,
                     evidence={"history_runs": 2}),
-            Verdict(run_id=rel, scenario="prefill_hit", metric="kl_k3_mean", verdict="regression",
+            VerdictRow(run_id=rel, scenario="prefill_hit", metric="kl_k3_mean", verdict="regression",
                     method="change_point", value=2e-12, baseline=1.4e-13, diff_low=-1e-14,
                     diff_high=4e-12, threshold=3e-12, p_value=0.004,
                     evidence={"change_point": {"index": 2, "before": 1.5e-13, "after": 2e-12,
@@ -376,9 +376,9 @@ def extend_client(tmp_path_factory) -> Iterator[TestClient]:
             bad = s.scalar(select(Run.id).where(Run.job_id == "job-ext-defect",
                                                 Run.config == MAMBA))
             s.add_all([
-                Verdict(run_id=bad, scenario="prefill_hit", metric="kl_k3_mean", verdict="pass",
+                VerdictRow(run_id=bad, scenario="prefill_hit", metric="kl_k3_mean", verdict="pass",
                         method="threshold", value=1.5e-13, threshold=5e-3),
-                Verdict(run_id=bad, scenario="prefill_hit", metric="extend_kl_k3_mean",
+                VerdictRow(run_id=bad, scenario="prefill_hit", metric="extend_kl_k3_mean",
                         verdict="regression", method="threshold", value=3.2e-3, threshold=5e-4,
                         reason=EXTEND_WHY)])
     finally:

@@ -22,7 +22,7 @@ from evalsvc.jobs.record import JobRecord
 from evalsvc.jobs.spec import BuildSpec, JobSpec
 from evalsvc.matrix import MatrixFile, load_matrix
 from evalsvc.store.db import Store
-from evalsvc.store.models import Metric, Regression, Run, Verdict
+from evalsvc.store.models import Metric, Regression, Run, VerdictRow
 from evalsvc.store.record import BuildRef
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -107,17 +107,17 @@ def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | Non
 
 def verdict_counts(store: Store) -> dict[str, Any]:
     with store.session() as s:
-        by = s.execute(select(Verdict.verdict, Verdict.method, Verdict.metric, func.count())
-                       .group_by(Verdict.verdict, Verdict.method, Verdict.metric)).all()
-        flagged = s.execute(select(Run.config, Verdict.scenario, Verdict.metric, Verdict.reason)
-                            .join(Run, Run.id == Verdict.run_id)
-                            .where(Verdict.verdict == "regression")).all()
+        by = s.execute(select(VerdictRow.verdict, VerdictRow.method, VerdictRow.metric, func.count())
+                       .group_by(VerdictRow.verdict, VerdictRow.method, VerdictRow.metric)).all()
+        flagged = s.execute(select(Run.config, VerdictRow.scenario, VerdictRow.metric, VerdictRow.reason)
+                            .join(Run, Run.id == VerdictRow.run_id)
+                            .where(VerdictRow.verdict == "regression")).all()
         opened = s.scalar(select(func.count()).select_from(Regression))
         runs = s.scalar(select(func.count()).select_from(Run))
-        inconclusive = s.execute(select(Run.config, Verdict.scenario, func.count())
-                                 .join(Run, Run.id == Verdict.run_id)
-                                 .where(Verdict.verdict == "inconclusive")
-                                 .group_by(Run.config, Verdict.scenario)).all()
+        inconclusive = s.execute(select(Run.config, VerdictRow.scenario, func.count())
+                                 .join(Run, Run.id == VerdictRow.run_id)
+                                 .where(VerdictRow.verdict == "inconclusive")
+                                 .group_by(Run.config, VerdictRow.scenario)).all()
     verdicts: dict[str, int] = {}
     for v, m, _, n in by:
         verdicts[f"{v}/{m}"] = verdicts.get(f"{v}/{m}", 0) + n

@@ -23,15 +23,15 @@ from evalsvc.store.models import (
     Job,
     Metric,
     Run,
-    Sample,
+    SampleRow,
     ScenarioRow,
 )
 from evalsvc.store.record import BuildRef, ensure_job, record_results
 from evalsvc.thresholds import ThresholdsFile
-from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, RunResult, SampleRow, ScenarioResult
+from evalsvc.types import SAMPLE_FIELDS, TOKEN_FIELDS, RunResult, SampleFields, ScenarioResult
 
 TABLES = {"commits": Commit, "builds": Build, "jobs": Job, "runs": Run, "scenarios": ScenarioRow,
-          "metrics": Metric, "samples": Sample, "golden_runs": GoldenRun}
+          "metrics": Metric, "samples": SampleRow, "golden_runs": GoldenRun}
 THRESHOLD = 1e-2
 TOKENS = 4
 BASE_TIME = datetime(2026, 3, 1, tzinfo=UTC)
@@ -53,7 +53,7 @@ def fingerprint_of(config: str) -> str:
 
 
 def sample_row(scenario: str, index: int, kl: float, rng: np.random.Generator,
-               sample_id: str | None = None) -> SampleRow:
+               sample_id: str | None = None) -> SampleFields:
     """One sample as ``harness.sample_row`` writes it (plus the top-k columns of ``score``); no
     extend and no top-k lists (None)."""
     dec = rng.normal(-1.5, 0.5, TOKENS)

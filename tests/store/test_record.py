@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import event, select
 from sqlalchemy.exc import IntegrityError
 
-from evalsvc.store.models import Build, Commit, Job, Metric, Run, Sample, ScenarioRow
+from evalsvc.store.models import Build, Commit, Job, Metric, Run, SampleRow, ScenarioRow
 from evalsvc.store.queries import find_build
 from evalsvc.store.record import BuildRef
 from tests.store.factories import (
@@ -130,7 +130,7 @@ def test_a_run_without_samples_has_no_parquet(store, results_dir):
                    [run_result("cfg-a", KLS, with_samples=False)])
     with store.session() as s:
         assert s.get(Run, rid).samples_path is None
-        assert s.scalars(select(Sample)).all() == []
+        assert s.scalars(select(SampleRow)).all() == []
     assert not (results_dir / "job-ns").exists()
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from sqlalchemy import select
 
 from evalsvc.alerts import collect
-from evalsvc.store.models import Alert, Regression, Run, ScenarioRow, Verdict
+from evalsvc.store.models import Alert, Regression, Run, ScenarioRow, VerdictRow
 from evalsvc.store.record import record_results
 from evalsvc.verdicts import triage_regression
 from tests.store.factories import build_ref, job_spec, record_judged, run_result
@@ -27,8 +27,8 @@ def record(store, tmp_path, job_id, sha, hours, kls, track_it=True):
 
 def verdict_of(store, run_id, metric="kl_k3_mean", scenario="prefill_hit"):
     with store.session() as s:
-        v = s.scalars(select(Verdict).where(Verdict.run_id == run_id, Verdict.scenario == scenario,
-                                            Verdict.metric == metric)).one()
+        v = s.scalars(select(VerdictRow).where(VerdictRow.run_id == run_id, VerdictRow.scenario == scenario,
+                                            VerdictRow.metric == metric)).one()
         return v.verdict, v.method
 
 
@@ -148,7 +148,7 @@ def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path
     worse = run("worse", 10, 1.5)
     with store.session() as s:
         got = {(v.scenario, v.metric): v for v in
-               s.scalars(select(Verdict).where(Verdict.run_id == worse))}
+               s.scalars(select(VerdictRow).where(VerdictRow.run_id == worse))}
         assert got[("prefill_hit", "kl_k3_mean")].verdict == "pass", got[("prefill_hit", "kl_k3_mean")].reason
         assert got[("branching", "kl_k3_mean")].verdict == "pass", got[("branching", "kl_k3_mean")].reason
         pooled = got[("pooled", "kl_k3_mean")]
@@ -176,12 +176,12 @@ def test_a_run_judged_from_the_store_says_where_its_extend_fails(store, tmp_path
     scen.metrics["extend_kl_k3_mean"] = 0.1
     spec = job_spec(engine="embedded")
 
-    def judged(job_id: str) -> Verdict:
+    def judged(job_id: str) -> VerdictRow:
         run_id = record_judged(store, tmp_path, job_id=job_id, trigger="api", spec=spec,
                                build=build_ref("e1"), matrix="smoke", result=result)
         with store.session() as s:
-            v = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
-                                                Verdict.metric == "extend_kl_k3_mean")).one()
+            v = s.scalars(select(VerdictRow).where(VerdictRow.run_id == run_id,
+                                                VerdictRow.metric == "extend_kl_k3_mean")).one()
             s.expunge(v)
             return v
 
@@ -287,8 +287,8 @@ def test_a_known_failure_holds_across_commits_and_new_defects_still_open_regress
         with store.session() as s:
             run = s.get(Run, run_id)
             assert run.verdict == "expected" and PR in run.reason
-            pooled = s.scalars(select(Verdict).where(Verdict.run_id == run_id,
-                                                     Verdict.scenario == "pooled")).one()
+            pooled = s.scalars(select(VerdictRow).where(VerdictRow.run_id == run_id,
+                                                     VerdictRow.scenario == "pooled")).one()
             assert pooled.verdict == "expected", pooled.reason
     assert open_regressions() == {("prefill_hit", "kl_k3_mean", "expected"),
                                   ("chunked_hit", "kl_k3_mean", "expected"),
@@ -312,9 +312,9 @@ def test_a_known_failure_holds_across_commits_and_new_defects_still_open_regress
     assert scenarios(worse)["prefill_hit"][0] == "fail"
     assert verdict_of(store, worse) == ("regression", "threshold")
     with store.session() as s:
-        reason = s.scalars(select(Verdict.reason).where(
-            Verdict.run_id == worse, Verdict.scenario == "prefill_hit",
-            Verdict.metric == "kl_k3_mean")).one()
+        reason = s.scalars(select(VerdictRow.reason).where(
+            VerdictRow.run_id == worse, VerdictRow.scenario == "prefill_hit",
+            VerdictRow.metric == "kl_k3_mean")).one()
         assert "worse than the known failure" in reason
     assert ("prefill_hit", "kl_k3_mean", None) in open_regressions()
     assert ("prefill_hit", "kl_k3_mean", "expected") in open_regressions()

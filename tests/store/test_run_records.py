@@ -14,7 +14,7 @@ from sqlalchemy import select
 from evalsvc.engines.launch import clean_env
 from evalsvc.jobs.spec import JobSpec
 from evalsvc.store.db import Store
-from evalsvc.store.models import Build, Commit, Job, Run, Sample
+from evalsvc.store.models import Build, Commit, Job, Run, SampleRow
 from evalsvc.store.queries import job_detail
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def test_run_records_its_job_and_the_defects_as_patch_set(tmp_path):
             assert [x.scenario for x in clean.scenarios] == ["cold"]
             names = {m.name: m for m in clean.metrics}
             assert names["kl_k3_mean"].count == 2 and names["kl_k3_mean"].value < 1e-8
-            assert len(s.scalars(select(Sample).where(Sample.run_id == clean.id)).all()) == 2
+            assert len(s.scalars(select(SampleRow).where(SampleRow.run_id == clean.id)).all()) == 2
 
             detail = job_detail(s, jobs[0].id)
             assert [r["scenarios"] for r in detail["runs"]] == [{"cold": "pass"}]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from sqlalchemy import inspect
 
 from evalsvc.store.db import make_engine
-from evalsvc.store.models import Sample
+from evalsvc.store.models import SampleRow
 from evalsvc.types import SAMPLE_COLUMNS, SAMPLE_FIELDS, SampleColumn
 
 KEY = ["id", "run_id", "scenario", "sample_id"]  # the row's own key, not a sample field
@@ -30,11 +30,11 @@ def test_the_declaration_is_the_row_type():
 
 
 def test_the_table_is_made_from_the_declaration():
-    columns = list(Sample.__table__.columns)
+    columns = list(SampleRow.__table__.columns)
     assert [c.name for c in columns] == KEY + list(SAMPLE_FIELDS)
     orm = {c.name: shape(c.name, c.type, c.nullable) for c in columns[len(KEY):]}
     assert orm == {c.name: declared(c) for c in SAMPLE_COLUMNS}
-    assert Sample.__table__.c.host_cached_tokens.default.arg == 0
+    assert SampleRow.__table__.c.host_cached_tokens.default.arg == 0
 
 
 def test_the_migrated_database_agrees_column_by_column(store, engines):
