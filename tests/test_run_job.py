@@ -146,3 +146,27 @@ def test_the_service_and_evalsvc_run_go_through_run_job(tmp_path, monkeypatch):
     assert service_opts.prepare is not None and not service_opts.dry_run
     assert cli_opts.trigger == "cli" and cli_opts.per_model_errors and not cli_opts.dry_run
     assert dry_opts.dry_run
+
+
+def test_a_stored_jobs_matrix_is_parsed_in_one_place():
+    """A job's spec (its matrix with it) is parsed from the store by ``jobs.spec.stored_spec``
+    alone: nothing else in evalsvc validates a ``JobSpec``, and a ``MatrixFile`` is validated
+    only where a matrix file is read (``matrix.py``) or a client's matrix submitted
+    (``jobs/spec.py``). The migrations are history and read old shapes as they were."""
+    import ast
+
+    import evalsvc
+
+    package = Path(evalsvc.__file__).parent
+    calls: dict[str, set[str]] = {"JobSpec": set(), "MatrixFile": set()}
+    for path in package.rglob("*.py"):
+        rel = str(path.relative_to(package))
+        if rel.startswith("store/migrations/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("model_validate", "model_validate_json")
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in calls):
+                calls[node.func.value.id].add(rel)
+    assert calls == {"JobSpec": {"jobs/spec.py"}, "MatrixFile": {"matrix.py", "jobs/spec.py"}}

@@ -31,7 +31,7 @@ from evalsvc.jobs import run as job_run
 from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.record import cancel_pending, describe, end_job
 from evalsvc.jobs.run import JobCancelled, RunOptions
-from evalsvc.jobs.spec import BuildSpec, JobCreate, JobSpec, mint_id, validate_job
+from evalsvc.jobs.spec import BuildSpec, JobCreate, mint_id, stored_spec, validate_job
 from evalsvc.logs import log_context
 from evalsvc.paths import inside
 from evalsvc.settings import Settings
@@ -71,7 +71,7 @@ class JobService:
         submitting it (an audit event, stored with the job)."""
         spec = validate_job(body, self.settings, trusted)
         if extra:
-            spec = JobSpec.model_validate({**dict(spec), **extra})
+            spec = spec.model_copy(update=extra)  # the submitter's keys (validated there)
         stored = spec.stored()
         job_id = mint_id(trigger)
         with self.store.session() as s:
@@ -357,7 +357,7 @@ class JobService:
         loops (JobCancelled)."""
         with self.store.session() as s:
             stored = s.get(Job, job_id).spec
-        spec = JobSpec.model_validate(stored)  # the matrix made once
+        spec = stored_spec(stored, strict=True)  # the matrix made once
         base = EngineSpec(kind=spec.engine)
         if engine_kind(spec.engine).uses_engine_envs:  # the environment named when submitted
             base = EngineSpec(kind=spec.engine, python=python_of(self.settings, spec.engine_env),

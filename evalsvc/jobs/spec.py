@@ -200,15 +200,18 @@ class JobSpec(BaseModel):
             if getattr(self, k) is None})
 
 
-def stored_spec(spec: dict[str, Any] | None) -> JobSpec | None:
-    """A job's spec as the store holds it (``Job.spec``), typed; None for one that is no
-    ``JobSpec`` (a row of a shape the store's migration 0010 could not convert: its matrix named
-    only, and no longer there)."""
-    if not spec:
+def stored_spec(spec: dict[str, Any] | None, *, strict: bool = False) -> JobSpec | None:
+    """A job's spec as the store holds it (``Job.spec``), typed: the one place a stored job's
+    matrix is parsed (``tests/test_run_job.py`` holds it so). None for one that is no ``JobSpec``
+    (a row of a shape the store's migration 0010 could not convert: its matrix named only, and no
+    longer there); ``strict``: a ValidationError instead (the job that runs it fails with it)."""
+    if not spec and not strict:
         return None
     try:
         return JobSpec.model_validate(spec)
     except ValidationError:
+        if strict:
+            raise
         return None
 
 
