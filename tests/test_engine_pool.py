@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from evalsvc import harness
-from evalsvc.harness import EnginePool, run_config
+from evalsvc.harness import EnginePool
+from tests.judged import run_judged
 from tests.processes import exists
 from tests.test_harness_errors import FAKE, PROMPTS, fake_pids, fake_spec, load
 
@@ -20,10 +21,10 @@ def test_runs_of_one_engine_share_it_and_others_do_not(tmp_path):
                             {"strategy": "no_buffer", "overlap": False}]})
     spec = fake_spec("ok", tmp_path)
     with EnginePool() as engines:
-        first = run_config(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
-        again = run_config(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
-        other = run_config(configs[1], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
-        env = run_config(configs[0], matrix, spec.with_env({"FAKE_SGLANG_X": "1"}), PROMPTS,
+        first = run_judged(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
+        again = run_judged(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
+        other = run_judged(configs[1], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
+        env = run_judged(configs[0], matrix, spec.with_env({"FAKE_SGLANG_X": "1"}), PROMPTS,
                          log_dir=tmp_path, engines=engines)
         assert [r.verdict for r in (first, again, other, env)] == ["pass"] * 4
         assert first.startup_seconds > 0 and again.startup_seconds == 0.0
@@ -47,11 +48,11 @@ def test_an_engine_whose_run_failed_is_not_kept(tmp_path, monkeypatch):
             return asked(client)
 
         monkeypatch.setattr(harness.EngineClient, "server_info", cancelled_meanwhile)
-        r = run_config(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, control=control,
+        r = run_judged(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, control=control,
                        engines=engines)
         assert r.verdict == "cancelled"
         monkeypatch.setattr(harness.EngineClient, "server_info", asked)
-        second = run_config(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
+        second = run_judged(configs[0], matrix, spec, PROMPTS, log_dir=tmp_path, engines=engines)
         assert second.verdict == "pass" and second.startup_seconds > 0  # a new engine
         first, *_ = fake_pids(tmp_path)
         assert not exists(first)

@@ -33,9 +33,10 @@ from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.client import EngineClient
 from evalsvc.engines.launch import EngineProcess
 from evalsvc.evaluate import evaluate, prepare
-from evalsvc.harness import RunResult, run_config
+from evalsvc.harness import RunResult
 from evalsvc.matrix import Config, MatrixError, MatrixFile, expand, load_matrix
 from evalsvc.paths import MODELS_DIR
+from tests.judged import run_judged
 from tests.processes import assert_gone, marked_processes, wait_no_processes
 
 DATA = Path(__file__).parent / "data"
@@ -218,7 +219,7 @@ def test_missing_model_path_in_run_config_and_cli(tmp_path, no_engine_left_behin
     matrix, configs = load(tmp_path / "gone.yaml", {
         **EMBEDDED, "models": {"m": {"path": MISSING_MODEL}}, "include": [{"strategy": "auto"}]})
     # the engine itself refuses the path, naming it
-    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path)
+    r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "error"
     assert f"--model-path {MISSING_MODEL}: no such directory" in r.reason
     assert not wait_no_engines(no_engine_left_behind)
@@ -247,7 +248,7 @@ def test_model_without_its_weights_fails_at_once_naming_the_file(tmp_path, no_en
     matrix, configs = load(tmp_path / "m.yaml", {
         **EMBEDDED, "models": {"m": {"path": str(model)}}, "include": [{"strategy": "auto"}]})
     t0 = time.monotonic()
-    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path)
+    r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path)
     assert time.monotonic() - t0 < 20
     assert r.verdict == "error"
     assert r.reason.startswith("engine did not start: engine exited with code 1 during start-up")
@@ -268,7 +269,7 @@ def fake(tmp_path) -> tuple[Config, MatrixFile]:
 @pytest.mark.slow
 def test_fake_server_ok_passes(fake, tmp_path):
     """The fake's answers are consistent, so its failures below are the only cause of errors."""
-    r = run_config(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path)
+    r = run_judged(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "pass", r.reason
     assert [s.verdict for s in r.scenarios] == ["pass", "pass"]
     assert r.resolved_args["mamba_radix_cache_strategy"] == "extra_buffer"
@@ -288,7 +289,7 @@ def test_a_cancel_before_the_first_scenario_is_a_cancelled_run(fake, tmp_path, m
         return asked(client)
 
     monkeypatch.setattr(harness.EngineClient, "server_info", cancelled_meanwhile)
-    r = run_config(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path, control=control)
+    r = run_judged(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path, control=control)
     assert (r.verdict, r.reason) == ("cancelled", "the job was cancelled")
     assert r.scenarios == []
     assert_gone(fake_pids(tmp_path))
@@ -296,7 +297,7 @@ def test_a_cancel_before_the_first_scenario_is_a_cancelled_run(fake, tmp_path, m
 
 @pytest.mark.slow
 def test_engine_dying_at_start_is_an_error_with_its_log_tail(fake, tmp_path):
-    r = run_config(*fake, fake_spec("die_at_start", tmp_path), PROMPTS, log_dir=tmp_path)
+    r = run_judged(*fake, fake_spec("die_at_start", tmp_path), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "error"
     assert r.reason.startswith("engine did not start: engine exited with code 1 during start-up")
     assert "log tail:" in r.reason
@@ -308,7 +309,7 @@ def test_engine_dying_at_start_is_an_error_with_its_log_tail(fake, tmp_path):
 
 @pytest.mark.slow
 def test_engine_dying_mid_run_errors_the_rest_and_its_group_is_gone(fake, tmp_path):
-    r = run_config(*fake, fake_spec("die_mid", tmp_path), PROMPTS, log_dir=tmp_path)
+    r = run_judged(*fake, fake_spec("die_mid", tmp_path), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "error"
     assert [s.scenario for s in r.scenarios] == ["cold", "prefill_hit"]
     for s in r.scenarios:
@@ -324,7 +325,7 @@ def test_engine_dying_mid_run_errors_the_rest_and_its_group_is_gone(fake, tmp_pa
 def test_engine_dying_before_the_first_scenario_is_an_error_saying_it_exited(fake, tmp_path):
     """An engine that dies after start-up, while the harness asks for /server_info, is named as
     exited (with its code and log tail), not only as a broken connection."""
-    r = run_config(*fake, fake_spec("die_at_info", tmp_path), PROMPTS, log_dir=tmp_path)
+    r = run_judged(*fake, fake_spec("die_at_info", tmp_path), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "error"
     assert r.scenarios == []
     assert "the engine exited with code 3" in r.reason, r.reason
@@ -338,7 +339,7 @@ def test_engine_dying_before_the_first_scenario_is_an_error_saying_it_exited(fak
     ("malformed", "meta_info.output_token_logprobs: expected a list, got dict"),
 ])
 def test_unusable_logprobs_are_scenario_errors_naming_the_field(fake, tmp_path, mode, expected):
-    r = run_config(*fake, fake_spec(mode, tmp_path), PROMPTS, log_dir=tmp_path)
+    r = run_judged(*fake, fake_spec(mode, tmp_path), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "error"
     assert [s.verdict for s in r.scenarios] == ["error", "error"]  # the engine lives on: each tried
     for s in r.scenarios:
@@ -405,7 +406,7 @@ def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path, m
     stop = stop_at_first_batch(monkeypatch, stopped)
     control = harness.RunControl(on_engine=lambda proc: (pids.append(proc.proc.pid), stop(proc)))
     t0 = time.monotonic()
-    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
+    r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control)
     elapsed = time.monotonic() - t0
     assert stopped.is_set(), r.reason  # it was stopped with the scenario's requests sent
@@ -433,7 +434,7 @@ def test_engine_stopped_at_start_is_an_error_at_the_deadline(tmp_path, no_engine
         os.killpg(proc.proc.pid, signal.SIGSTOP)
 
     t0 = time.monotonic()
-    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path,
+    r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path,
                    control=harness.RunControl(on_engine=freeze))
     assert time.monotonic() - t0 < 5 + 15
     assert r.verdict == "error"
@@ -453,7 +454,7 @@ def test_request_timeouts_are_sized_to_the_work(tmp_path, monkeypatch, no_engine
     frozen, pids = threading.Event(), []
     stop = stop_at_first_batch(monkeypatch, frozen)
     control = harness.RunControl(on_engine=lambda proc: (pids.append(proc.proc.pid), stop(proc)))
-    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
+    r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control, run_timeout_s=1800)
     allowed = work_seconds([{"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}
                             for _, ids in PROMPTS])
@@ -497,7 +498,7 @@ def test_port_taken_on_every_attempt_is_an_error_saying_so(tmp_path, monkeypatch
     calls = []
     monkeypatch.setattr(harness, "free_port", lambda: calls.append(taken_port) or taken_port)
     matrix, configs = load(tmp_path / "m.yaml", {**EMBEDDED, "include": [{"strategy": "auto"}]})
-    r = run_config(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path)
+    r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path)
     assert calls == [taken_port, taken_port]  # one retry
     assert r.verdict == "error"
     assert r.reason.startswith(f"engine did not start: port {taken_port} is already in use")
@@ -510,7 +511,7 @@ def test_port_taken_only_at_the_first_attempt_runs_on_another(fake, tmp_path, mo
                                                                 taken_port):
     ports = iter([taken_port, harness.free_port()])
     monkeypatch.setattr(harness, "free_port", lambda: next(ports))
-    r = run_config(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path)
+    r = run_judged(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path)
     assert r.verdict == "pass", r.reason
     assert next(ports, None) is None  # both ports were asked for
     port = int(r.command[r.command.index("--port") + 1])
@@ -537,19 +538,19 @@ def test_tree_core_that_ran_is_recorded_and_a_run_that_got_another_is_invalid(tm
     assert (rust.name, default.name) == ("m-eb-ov-rustcore", "m-eb-ov")
     absent = fake_spec("ok", tmp_path, FAKE_SGLANG_VERSION="0.5.23",
                        FAKE_SGLANG_RUST_CORE="absent")
-    r = run_config(rust, matrix, absent, PROMPTS, log_dir=tmp_path / "absent")
+    r = run_judged(rust, matrix, absent, PROMPTS, log_dir=tmp_path / "absent")
     assert r.verdict == "invalid" and r.scenarios == []
     assert r.reason == f"radix_tree_core: asked 'rust', server runs 'python' ({FALLBACK})"
     assert r.resolved_args["radix_tree_core"] == "python"
     assert FALLBACK.endswith(r.resolved_args["radix_tree_core_fallback"])
     # asking for nothing: the release's default, recorded with its fallback, and not invalid
-    r = run_config(default, matrix, absent, PROMPTS, log_dir=tmp_path / "absent")
+    r = run_judged(default, matrix, absent, PROMPTS, log_dir=tmp_path / "absent")
     assert r.verdict == "pass", r.reason
     assert r.resolved_args["radix_tree_core"] == "python"
     assert r.resolved_args["radix_tree_core_fallback"]
     present = fake_spec("ok", tmp_path, FAKE_SGLANG_VERSION="0.5.23")
     for config in (rust, default):
-        r = run_config(config, matrix, present, PROMPTS, log_dir=tmp_path / "present")
+        r = run_judged(config, matrix, present, PROMPTS, log_dir=tmp_path / "present")
         assert r.verdict == "pass", r.reason
         assert (r.resolved_args["radix_tree_core"], r.resolved_args["radix_tree_core_fallback"]) == (
             "rust", None)
@@ -561,10 +562,10 @@ def test_embedded_engine_takes_the_tree_core_variable_and_falls_back_as_sglang(t
     matrix, configs = load(tmp_path / "core.yaml", {**EMBEDDED, "axes": {
         "strategy": ["extra_buffer"], "radix_tree_core": ["python", "rust"]}})
     by_core = {c.tree_core: c for c in configs}
-    python = run_config(by_core["python"], matrix, EngineSpec(), PROMPTS, log_dir=tmp_path)
+    python = run_judged(by_core["python"], matrix, EngineSpec(), PROMPTS, log_dir=tmp_path)
     assert python.verdict == "pass", python.reason
     assert python.resolved_args["radix_tree_core"] == "python"
-    rust = run_config(by_core["rust"], matrix, EngineSpec(), PROMPTS, log_dir=tmp_path)
+    rust = run_judged(by_core["rust"], matrix, EngineSpec(), PROMPTS, log_dir=tmp_path)
     assert rust.verdict == "invalid"
     assert rust.reason == ("radix_tree_core: asked 'rust', server runs 'python' (Using the Python "
                            "TreeCore: the embedded engine has no Rust TreeCore)")
