@@ -49,3 +49,12 @@ def qwen3_next() -> Path:
     model = shipped_sglang_model_dir("qwen3-next-tiny")
     assert model is not None
     return model
+
+
+@pytest.fixture
+def sglang_one_thread(monkeypatch) -> None:
+    """The SGLang servers a test starts compute on one thread, as the embedded engine does by
+    default (``EVALSVC_ENGINE_THREADS``). Without its AMX path SGLang leaves torch at one thread
+    per core, and the suite's three workers share two cores: a second thread only waits on the
+    others' work (BENCHMARKS.md, "The test suite"). Engines inherit the variable from the test."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")

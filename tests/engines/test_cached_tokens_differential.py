@@ -47,7 +47,8 @@ from evalsvc.engines.sglang_server import build_generate_payload, parse_completi
 from evalsvc.paths import shipped_sglang_model_dir
 from tests.processes import marked_processes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("sglang-cpu")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("sglang_one_thread"),
+              pytest.mark.timeout(1200), pytest.mark.xdist_group("sglang-cpu")]
 
 MARK = "EVALSVC_TEST_SGLANG_DIFF"
 EMBEDDED_MODEL = "hybrid-gdn-tiny"  # gated deltanet + attention, as Qwen3-Next

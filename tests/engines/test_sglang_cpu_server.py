@@ -58,7 +58,8 @@ MARK = "EVALSVC_TEST_SGLANG_CPU"
 PORTABLE = {"fused_gdn_gating_cpu", "fused_rmsnorm_gated_cpu",
             "fused_sigmoid_gating_delta_rule_update_cpu"}
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("sglang-cpu")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("sglang_one_thread"),
+              pytest.mark.timeout(3600), pytest.mark.xdist_group("sglang-cpu")]
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ recompute as that arithmetic allows:
 * decode attention splits the keys into KV splits whose number depends on the batch size
   (flash-decoding, as SGLang's triton backend chooses ``num_kv_splits``) and merges them by
   log-sum-exp; an extend attends in one pass;
-* logits are computed in bf16 and taken to float32 for the logprobs.
+* linear layers and the logits are bf16 GEMMs: exact products, float32 accumulation, the output
+  rounded to bf16 (:func:`linear`); logits are taken to float32 for the logprobs.
 
 All logprobs are natural-log.
 """
@@ -105,6 +106,40 @@ def kv_splits(batch: int) -> int:
     busy (flash-decoding), so the reduction order of one request depends on what it is batched
     with."""
     return max(1, min(MAX_KV_SPLITS, MAX_KV_SPLITS // batch))
+
+
+def _native_bf16_gemm() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# torch's own bf16 GEMM where the CPU has bf16 instructions (oneDNN on AVX-512 or AMX); without
+# them torch emulates it, 3 to 12 times slower than a float32 GEMM (BENCHMARKS.md)
+NATIVE_BF16_GEMM = _native_bf16_gemm()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T``. A bf16 GEMM multiplies bf16 inputs exactly in float32 (8-bit mantissas: a
+    product fits), accumulates in float32 and rounds the output to bf16, as a GPU's tensor cores
+    do. Where torch has no native bf16 GEMM on this CPU, a float32 GEMM of the same values,
+    rounded, computes exactly that: the same products, the same accumulator (only the summation
+    order can differ from torch's emulation, which moves about 1 output in 10,000 by a unit in
+    the last place)."""
+    if x.dtype != torch.bfloat16 or NATIVE_BF16_GEMM:
+        return F.linear(x, weight)
+    return F.linear(x.float(), weight.float()).to(torch.bfloat16)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias, through :func:`linear` (same parameters, same checkpoints)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 def _rowwise(fn, x: torch.Tensor) -> torch.Tensor:
@@ -183,8 +218,8 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -206,8 +241,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         inner = cfg.num_attention_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * inner, bias=False)
-        self.o = nn.Linear(inner, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, 3 * inner)
+        self.o = Linear(inner, cfg.hidden_size)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x: [T, D] -> q, k, v: [T, H, Dh] with rotary applied to q and k."""
@@ -426,13 +461,13 @@ class Mamba2Mixer(RecurrentMixer):
         self.h, self.p, self.n = cfg.num_ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size
         self.inner = self.h * self.p
         self.conv_channels = self.inner + 2 * self.n
-        self.in_proj = nn.Linear(cfg.hidden_size, 2 * self.inner + 2 * self.n + self.h, bias=False)
+        self.in_proj = Linear(cfg.hidden_size, 2 * self.inner + 2 * self.n + self.h)
         self.conv = CausalConv(self.conv_channels, cfg.conv_kernel)
         self.dt_bias = nn.Parameter(torch.log(torch.expm1(torch.linspace(1e-3, 1e-1, self.h))))
         self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, self.h)))
         self.D = nn.Parameter(torch.ones(self.h))
         self.norm = RMSNorm(self.inner, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.inner, cfg.hidden_size)
 
     def state_shapes(self):
         return (self.conv_channels, self.conv.kernel - 1), (self.h, self.p, self.n)
@@ -523,12 +558,12 @@ class GatedDeltaNetMixer(RecurrentMixer):
         self.h, self.dk = cfg.num_ssm_heads, cfg.ssm_head_dim
         self.inner = self.h * self.dk
         self.conv_channels = 3 * self.inner
-        self.in_proj = nn.Linear(cfg.hidden_size, 4 * self.inner + 2 * self.h, bias=False)
+        self.in_proj = Linear(cfg.hidden_size, 4 * self.inner + 2 * self.h)
         self.conv = CausalConv(self.conv_channels, cfg.conv_kernel)
         self.dt_bias = nn.Parameter(torch.zeros(self.h))
         self.A_log = nn.Parameter(torch.log(torch.linspace(0.5, 8.0, self.h)))
         self.norm = RMSNorm(self.dk, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.inner, cfg.hidden_size)
 
     def state_shapes(self):
         return (self.conv_channels, self.conv.kernel - 1), (self.h, self.dk, self.dk)
@@ -640,7 +675,7 @@ class MTPHead(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.block = Block(cfg, "recurrent")
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -714,11 +749,11 @@ class HybridLM(nn.Module):
     # ----- training -------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits, computed in the model's dtype (as SGLang's logits processor does)."""
-        return _rowwise(lambda h: self.final_norm(h) @ self.embed.weight.T, hidden).float()
+        return _rowwise(lambda h: linear(self.final_norm(h), self.embed.weight), hidden).float()
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.mtp is not None
-        return _rowwise(lambda h: self.mtp.final_norm(h) @ self.embed.weight.T, hidden).float()
+        return _rowwise(lambda h: linear(self.mtp.final_norm(h), self.embed.weight), hidden).float()
 
     def forward_train(self, ids: torch.Tensor):
         """ids [B, L] -> (target logits [B, L, V], draft logits [B, L-1, V] for token s+2)."""

@@ -23,6 +23,7 @@ from evalsvc.engines.embedded.model import (
     chunk_gated_delta_rule,
     chunk_ssd,
     kv_splits,
+    linear,
 )
 
 from .conftest import FAMILIES, request, token_prompts
@@ -30,6 +31,27 @@ from .test_model import ListKV, max_diff, random_ids, small_model, zero_states
 
 GPU_FLOAT32 = Numerics(gpu_kernels=True)  # the GPU kernels' algebra, without bf16 rounding
 BF16 = Numerics.from_args("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_a_bf16_gemm_is_exact_products_and_a_float32_accumulator_rounded_once(rows):
+    """``linear`` in bf16, whichever GEMM runs it on this CPU (torch's own where the CPU has bf16
+    instructions, a float32 GEMM of the same values elsewhere): the float32 GEMM of the bf16
+    values (the products exact, one float32 accumulator), rounded to bf16 once; only the
+    summation order may differ, which moves a rare output by one unit in the last place. Torch's
+    own bf16 GEMM agrees the same way. In float32 it is torch's GEMM."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g).bfloat16()
+    w = torch.randn(512, 256, generator=g).bfloat16()
+    exact = torch.nn.functional.linear(x.double(), w.double())
+    out = linear(x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 512)
+    for got in (out, torch.nn.functional.linear(x, w)):
+        off = got.double() != exact.bfloat16().double()
+        assert off.float().mean() < 2e-3
+        ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2.0 ** -7
+        assert ((got.double() - exact).abs()[off] <= 1.01 * ulp[off]).all()
+    assert torch.equal(linear(x.float(), w.float()), torch.nn.functional.linear(x.float(), w.float()))
 
 
 def test_numerics_from_the_flags():
