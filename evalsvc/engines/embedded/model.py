@@ -124,9 +124,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T``. A bf16 GEMM multiplies bf16 inputs exactly in float32 (8-bit mantissas: a
     product fits), accumulates in float32 and rounds the output to bf16, as a GPU's tensor cores
     do. Where torch has no native bf16 GEMM on this CPU, a float32 GEMM of the same values,
-    rounded, computes exactly that: the same products, the same accumulator (only the summation
-    order can differ from torch's emulation, which moves about 1 output in 10,000 by a unit in
-    the last place)."""
+    rounded, computes exactly that: the same products, the same accumulator. Only the summation
+    order can differ, from torch's emulation (about 1 output in 10,000 a unit in the last place
+    apart) and between shapes: the float32 GEMM sums a product of 1 to 3 rows in another order
+    than a larger one, so there, as a GPU's GEMMs do, a rare output depends on the batch."""
     if x.dtype != torch.bfloat16 or NATIVE_BF16_GEMM:
         return F.linear(x, weight)
     return F.linear(x.float(), weight.float()).to(torch.bfloat16)
