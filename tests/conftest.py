@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +24,21 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI runner's time limit, ``timeout``, ``kill``) stops the run as Ctrl-C does: the
+    running test unwinds through its ``with`` blocks and fixtures, which stop the engines and
+    services it started. Python's default would end the process at once and leave them running
+    (an engine runs in a session of its own). In each pytest-xdist worker too. A
+    ``KeyboardInterrupt``, not ``evalsvc.children.exit_on_sigterm``'s ``SystemExit``: pytest
+    records a ``SystemExit`` as the test's failure and goes on to the next test."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from evalsvc import children
-from tests.processes import outlives_its_parent
+from tests.processes import marked_processes, outlives_its_parent
+
+MARK = "EVALSVC_TEST_STOPPED_RUN"
 
 # a "service" whose build thread runs a long tool, as a pip install would be, through the path
 # builds take (sglang_env's step runner); it prints the tool's pid once the tool runs
@@ -49,3 +54,55 @@ def test_build_tools_inherit_none_of_the_services_secrets(monkeypatch):
     seen = json.loads(children.run(show, env=given, capture_output=True, text=True,
                                    check=True).stdout)
     assert "EVALSVC_READ_TOKEN" not in seen and seen["KEEP"] == "1"
+
+
+# a test that starts an engine (the fake SGLang server, in a session of its own as the launcher
+# starts every engine) and waits inside it, as a long test does when the run is stopped
+STOPPED_TEST = """
+import sys, time
+from pathlib import Path
+from evalsvc.engines.launch import EngineProcess, free_port
+
+FAKE = str(Path({root!r}) / "tests" / "data" / "fake_sglang.py")
+
+
+def test_waits_with_an_engine(tmp_path):
+    port = free_port()
+    argv = [sys.executable, FAKE, "--model-path", "m", "--host", "127.0.0.1", "--port", str(port)]
+    with EngineProcess(argv, port, log_path=tmp_path / "engine.log") as engine:
+        engine.wait_ready()
+        print("READY", flush=True)
+        time.sleep(300)
+"""
+
+
+def test_a_terminated_test_run_stops_the_engines_its_tests_started(tmp_path):
+    """SIGTERM (a CI runner's time limit, ``timeout``, ``kill``) stops a test run as Ctrl-C does:
+    the running test unwinds, and the engine it started is stopped, not left running."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "test_stopped.py").write_text(STOPPED_TEST.format(root=str(root)))
+    token = tmp_path.name
+    env = {**os.environ, MARK: token, "PYTHONPATH": str(root)}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "tests.conftest",
+         "--rootdir", str(tmp_path), str(tmp_path / "test_stopped.py")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = ""
+        while "READY" not in out:
+            line = run.stdout.readline()
+            assert line, out
+            out += line
+        assert marked_processes(MARK, token), "the engine did not start"
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while marked_processes(MARK, token) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not marked_processes(MARK, token), "the engine outlived the stopped test run"
+    finally:
+        run.kill()
+        run.wait()
+        run.stdout.close()
+        for line in marked_processes(MARK, token):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
