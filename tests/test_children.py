@@ -83,9 +83,13 @@ def test_a_terminated_test_run_stops_the_engines_its_tests_started(tmp_path):
     (tmp_path / "test_stopped.py").write_text(STOPPED_TEST.format(root=str(root)))
     token = tmp_path.name
     env = {**os.environ, MARK: token, "PYTHONPATH": str(root)}
+    # a basetemp of its own: by default the inner run would take the next numbered directory
+    # beside this run's and, at its end, delete the older ones: earlier suites' trees, which can
+    # take minutes to delete
     run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "tests.conftest",
-         "--rootdir", str(tmp_path), str(tmp_path / "test_stopped.py")],
+         "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "basetemp"),
+         str(tmp_path / "test_stopped.py")],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = ""
@@ -95,7 +99,8 @@ def test_a_terminated_test_run_stops_the_engines_its_tests_started(tmp_path):
             out += line
         assert marked_processes(MARK, token), "the engine did not start"
         run.send_signal(signal.SIGTERM)
-        run.wait(timeout=60)
+        out += run.communicate(timeout=60)[0]
+        assert "KeyboardInterrupt" in out, out
         deadline = time.monotonic() + 10
         while marked_processes(MARK, token) and time.monotonic() < deadline:
             time.sleep(0.2)
