@@ -265,8 +265,13 @@ def parse_completion(resp: Any, draft_tokens: int | None = None) -> Completion:
         raise ResponseError("the /generate response has no meta_info")
     meta = resp["meta_info"]
     out = _triples(meta.get("output_token_logprobs"), "output_token_logprobs")
-    ids = list(map(_SECOND, out))
     given = resp.get("output_ids")
+    if given == [] and meta.get("completion_tokens") == 0:
+        # a request that generates nothing (a reference prefill, max_new_tokens=0): with
+        # speculative decoding SGLang still reports the prefill's next-token logprob as an output
+        # logprob (0.5.17 on the CPU); no token was output, so there is none
+        out = []
+    ids = list(map(_SECOND, out))
     if meta.get("output_token_logprobs") is None and given is not None:
         ids = list(given)  # no logprobs asked for
     elif given is not None and list(given) != ids:

@@ -157,3 +157,15 @@ def test_bad_entries_are_refused_as_before(field: str, index: int | None, value:
     with pytest.raises(type(want.value)) as got:
         parse_completion(copy.deepcopy(resp))
     assert str(got.value) == str(want.value)
+
+
+def test_a_response_that_generated_nothing_has_no_output_logprobs() -> None:
+    """SGLang with speculative decoding reports a prefill's next-token logprob as an output
+    logprob of a request that generated nothing (``max_new_tokens=0``, the reference prefill):
+    no token was output, so the completion has none. Anything else that disagrees is refused."""
+    meta = {"output_token_logprobs": [[-1.5, 302, None]], "completion_tokens": 0,
+            "input_token_logprobs": [[None, 7, None], [-2.0, 9, None]], "prompt_tokens": 2}
+    done = parse_completion({"output_ids": [], "meta_info": meta})
+    assert done.token_ids == [] and done.logprobs == [] and done.input_logprobs == [None, -2.0]
+    with pytest.raises(ResponseError, match="disagree"):
+        parse_completion({"output_ids": [], "meta_info": {**meta, "completion_tokens": 1}})
