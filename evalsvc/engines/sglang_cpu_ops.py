@@ -29,6 +29,8 @@ value heads of dims ``K`` / ``V``.
 
 from __future__ import annotations
 
+import ast
+import copy
 import importlib.abc
 import importlib.machinery
 import itertools
@@ -255,6 +257,199 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b,
     return out
 
 
+def draft_parents(retrieve_next_token, retrieve_next_sibling, length: int) -> list[int]:
+    """Each draft token's parent in an EAGLE tree from its first-child and next-sibling links
+    (``-1``: none), as SGLang's Triton verify conv derives them: token 0 is the root (parent 0,
+    whose inputs before it are the conv state's)."""
+    first_child, sibling = retrieve_next_token.tolist(), retrieve_next_sibling.tolist()
+    parents = [0] * length
+    for t in range(length):
+        if 0 <= first_child[t] < length:
+            parents[first_child[t]] = t
+        if 0 <= sibling[t] < length:
+            parents[sibling[t]] = parents[t]
+    return parents
+
+
+def causal_conv1d_update_verify(x, conv_state, weight, bias=None, activation=None,
+                                cache_seqlens=None, conv_state_indices=None,
+                                num_accept_tokens=None, intermediate_conv_window=None,
+                                intermediate_state_indices=None, retrieve_next_token=None,
+                                retrieve_next_sibling=None, retrieve_parent_token=None,
+                                pad_slot_id=-1, metadata=None, validate_data=False):
+    """SGLang's Triton ``causal_conv1d_update`` (``kernels/ops/mamba/causal_conv1d_triton.py``)
+    as target verify calls it: the ``L`` draft tokens of each row (``x`` ``[B, dim, L]``) from
+    the row's conv state; token ``t``'s window is its own input after its ancestors' (the chain
+    ``t-1, t-2, ...``, or the EAGLE tree's parents from ``retrieve_next_token`` /
+    ``retrieve_next_sibling``, written to ``retrieve_parent_token``), reaching back into the conv
+    state; each window after token ``t`` (the last ``width - 1`` inputs) goes to
+    ``intermediate_conv_window[intermediate_state_indices[b], t]``, from which SGLang restores the
+    accepted step; and the conv state takes the last ``width - 1`` inputs in token order, as the
+    Triton kernel leaves it. Returns ``[B, dim, L]``."""
+    del validate_data, metadata
+    if cache_seqlens is not None or num_accept_tokens is not None:
+        raise NotImplementedError("causal_conv1d_update_verify: circular conv states and "
+                                  "accepted-token offsets are not used by SGLang's GDN verify")
+    silu = activation in (True, "silu", "swish")
+    single = x.dim() == 2
+    xs = x.unsqueeze(-1) if single else x
+    batch, _, length = xs.shape
+    width = weight.shape[1]
+    w = weight.float()
+    out = torch.zeros_like(xs)
+    rows = (conv_state_indices.tolist() if conv_state_indices is not None
+            else list(range(batch)))
+    for b in range(batch):
+        slot = rows[b]
+        if slot == pad_slot_id:
+            continue
+        history = conv_state[slot].float()  # [dim, width - 1]
+        inputs = xs[b].float()  # [dim, L]
+        if retrieve_next_token is not None:
+            parents = draft_parents(retrieve_next_token[b], retrieve_next_sibling[b], length)
+            if retrieve_parent_token is not None:
+                retrieve_parent_token[b, :length] = torch.tensor(
+                    parents, dtype=retrieve_parent_token.dtype)
+        else:
+            parents = [t - 1 for t in range(length)]
+        for t in range(length):
+            chain, node = [inputs[:, t]], t
+            while len(chain) < width and node > 0:
+                node = parents[node]
+                chain.append(inputs[:, node])
+            back = width - len(chain)
+            window = torch.stack(chain[::-1], dim=1)  # ancestors first, token t last
+            if back:
+                window = torch.cat([history[:, history.shape[1] - back:], window], dim=1)
+            y = (window * w).sum(1) + (0 if bias is None else bias.float())
+            out[b, :, t] = _silu_if(y, silu).to(out.dtype)
+            if intermediate_conv_window is not None:
+                intermediate_conv_window[intermediate_state_indices[b], t] = window[:, 1:].to(
+                    intermediate_conv_window.dtype)
+        tail = torch.cat([history, inputs], dim=1)
+        conv_state[slot] = tail[:, tail.shape[1] - (width - 1):].to(conv_state.dtype)
+    return out.squeeze(-1) if single else out
+
+
+def gated_delta_rule_verify(A_log, dt_bias, q, k, v, a, b, initial_state_source,
+                            initial_state_indices, cu_seqlens, use_qk_l2norm_in_kernel,
+                            softplus_beta=1.0, softplus_threshold=20.0,
+                            is_kda=False, disable_state_update=False,
+                            intermediate_states_buffer=None, intermediate_state_indices=None,
+                            cache_steps=None, retrieve_parent_token=None):
+    """SGLang's fused sigmoid-gating delta rule as target verify calls it (the Triton
+    ``fused_sigmoid_gating_delta_rule_update`` with ``intermediate_states_buffer``): per row, the
+    draft tokens token by token from the pool's state, token ``t`` starting from its parent's
+    state where an EAGLE tree is given (``retrieve_parent_token``), each token's state written to
+    ``intermediate_states_buffer[intermediate_state_indices[i], t]`` (``[HV, V, K]``), the pool's
+    state left alone when ``disable_state_update``. Returns ``[T, 1, HV, V]`` in ``v``'s dtype,
+    the CPU kernel's layout. (``cache_steps``: the buffer's steps, read from its shape here.)"""
+    del cache_steps
+    if is_kda:
+        raise NotImplementedError("gated_delta_rule_verify: KDA gates are not Qwen3-Next's")
+    hv, dk = v.shape[2], k.shape[-1]
+    scale = dk ** -0.5
+    out = v.new_zeros(v.shape[1], 1, hv, v.shape[3])
+    starts = cu_seqlens.tolist()
+    slots = initial_state_indices.tolist()
+    caches = (intermediate_state_indices.tolist() if intermediate_state_indices is not None
+              else [-1] * len(slots))
+    a2, b2 = a.reshape(-1, hv), b.reshape(-1, hv)
+    for i, (s, e) in enumerate(itertools.pairwise(starts)):
+        if slots[i] < 0:
+            continue
+        g = -A_log.float().exp() * F.softplus(a2[s:e].float() + dt_bias.float(),
+                                               beta=softplus_beta, threshold=softplus_threshold)
+        qi = _per_value_head(q[0, s:e].float(), hv)
+        ki = _per_value_head(k[0, s:e].float(), hv)
+        if use_qk_l2norm_in_kernel:
+            qi, ki = _l2norm(qi), _l2norm(ki)
+        beta = torch.sigmoid(b2[s:e].float())
+        vi = v[0, s:e].float()
+        state = _kv(initial_state_source[slots[i]])
+        steps = []
+        for t in range(e - s):
+            if retrieve_parent_token is not None and t > 0:
+                state = steps[int(retrieve_parent_token[i, t])]
+            o, state = gated_delta_rule_recurrent(qi[t:t + 1], ki[t:t + 1], vi[t:t + 1],
+                                                  g[t:t + 1], beta[t:t + 1], state, scale)
+            out[s + t, 0] = o[0].to(out.dtype)
+            steps.append(state)
+            if intermediate_states_buffer is not None and caches[i] >= 0:
+                intermediate_states_buffer[caches[i], t] = state.transpose(-1, -2).to(
+                    intermediate_states_buffer.dtype)
+        if not disable_state_update:
+            initial_state_source[slots[i]] = state.transpose(-1, -2).to(
+                initial_state_source.dtype)
+    return out
+
+
+def state_scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw):
+    """SGLang's Triton ``fused_mamba_state_scatter_with_mask`` (and its conv-window twin), which
+    commits the accepted verify step: for each request ``i`` whose step is valid (``>= 0``),
+    ``dst[:, dst_indices_raw[i]] = src[:, i, step_indices_raw[i]]`` for every layer; indices out of
+    range are skipped, as the kernel's bounds check does."""
+    steps, slots = step_indices_raw.tolist(), dst_indices_raw.tolist()
+    for i, (step, slot) in enumerate(zip(steps, slots, strict=True)):
+        if 0 <= step < src.shape[2] and 0 <= slot < dst.shape[1] and i < src.shape[1]:
+            dst[:, slot] = src[:, i, step]
+
+
+def verify_as_extend(forward_extend):
+    """``TorchNativeAttnBackend.forward_extend`` for target verify, whose batch carries no
+    ``extend_*`` fields: each request extends its ``seq_lens`` tokens by the ``draft_token_num``
+    draft tokens, causally (a draft chain, ``topk`` 1), as SGLang's CPU verify derives it for its
+    AMX backend (``IntelAMXAttnBackend._build_extend_metadata``). A token tree (``topk`` > 1)
+    needs the tree mask, which the torch backend does not take: refused."""
+
+    def call(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        if not forward_batch.forward_mode.is_target_verify():
+            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        spec = forward_batch.spec_info
+        if spec.tree_topk != 1:
+            raise NotImplementedError("target verify of a draft tree (speculative_eagle_topk > 1) "
+                                      "on the torch attention backend: use topk 1")
+        batch = copy.copy(forward_batch)
+        draft = spec.draft_token_num
+        batch.extend_prefix_lens = forward_batch.seq_lens
+        batch.extend_seq_lens = torch.full_like(forward_batch.seq_lens, draft)
+        batch.seq_lens = forward_batch.seq_lens + draft
+        return forward_extend(self, q, k, v, layer, batch, *args, **kwargs)
+
+    call.__wrapped__ = forward_extend
+    return call
+
+
+class Wrap:
+    """A value of :data:`VERIFY_ATTRS`: the module's binding is replaced by ``factory(binding)``."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+
+
+def verifying(verify, extra: tuple[str, ...], dropped: dict[str, object]) -> Wrap:
+    """A CPU op binding of SGLang's GDN backend that target verify (MTP) calls with the Triton
+    kernel's extra arguments, which the CPU kernel's op does not take: calls with them go to
+    ``verify``, the rest to the op bound before (the kernel's, or a reference op), less the
+    Triton-only ``dropped`` flags at their defaults."""
+
+    def factory(bound):
+        def call(*args, **kwargs):
+            if any(kwargs.get(name) is not None for name in extra) or \
+                    kwargs.get("disable_state_update"):
+                return verify(*args, **kwargs)
+            for name, default in dropped.items():
+                if kwargs.get(name, default) != default:
+                    raise NotImplementedError(f"{name}={kwargs[name]!r} on the CPU op")
+                kwargs.pop(name, None)
+            return bound(*args, **kwargs)
+
+        call.__wrapped__ = bound
+        return call
+
+    return Wrap(factory)
+
+
 def fused_rmsnorm_gated_cpu(input, weight, gate, eps):
     """``rmsnorm(input) * weight * silu(gate)`` over the last dim, in float32, as input's dtype."""
     x = input.float()
@@ -288,8 +483,134 @@ MODULE_ATTRS: dict[str, dict[str, object]] = {
         "fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
     "sglang.srt.models.qwen2_moe": {"fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
 }
+# Target verify (MTP), on either path: the GDN backend's CPU bindings of the update conv and the
+# fused decode rule, which the verify branch calls with the Triton kernels' extra arguments
+VERIFY_ATTRS: dict[str, dict[str, object]] = {
+    "sglang.srt.layers.attention.linear.gdn_backend": {
+        "causal_conv1d_update": verifying(
+            causal_conv1d_update_verify,
+            ("intermediate_conv_window", "intermediate_state_indices", "retrieve_next_token",
+             "retrieve_next_sibling", "retrieve_parent_token"), {})},
+    "sglang.srt.layers.attention.linear.kernels.gdn_triton": {
+        "fused_sigmoid_gating_delta_rule_update": verifying(
+            gated_delta_rule_verify,
+            ("intermediate_states_buffer", "intermediate_state_indices",
+             "retrieve_parent_token"), {"is_kda": False})},
+    "sglang.kernels.ops.mamba.mamba_state_scatter_triton": {
+        "fused_mamba_state_scatter_with_mask": state_scatter_with_mask,
+        "fused_conv_window_scatter_with_mask": state_scatter_with_mask},
+    "sglang.srt.layers.attention.torch_native_backend": {
+        "TorchNativeAttnBackend.forward_extend": Wrap(verify_as_extend)},
+}
 REQUIRED_ATTRS = {"_use_cpu"}  # a flag the module must have; a name is replaced where bound
 _LIBRARY: list[torch.library.Library] = []
+
+
+# ---- host adapters: SGLang's CUDA-only lines on its CPU speculative path, edited at import ----
+#
+# Each edit is located in the module's parse (class, function, call or literal), never by line
+# number or text, and changes nothing else; a module where the edit finds nothing to change (a
+# release without that line) is left as it is. The list, with the lines replaced and why each
+# replacement is faithful, is in the README ("Real SGLang on the CPU: host adapters").
+
+
+def _span(lines: list[str], node: ast.AST) -> tuple[int, int]:
+    """A node's source span as offsets into the joined ``lines``."""
+    starts = list(itertools.accumulate((len(line) for line in lines), initial=0))
+    return (starts[node.lineno - 1] + node.col_offset,
+            starts[node.end_lineno - 1] + node.end_col_offset)
+
+
+def _methods(tree: ast.Module, cls: str | None, name: str) -> list[ast.FunctionDef]:
+    """``cls.name`` (any class's ``name`` where ``cls`` is None)."""
+    return [f for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and cls in (None, c.name)
+            for f in c.body if isinstance(f, ast.FunctionDef) and f.name == name]
+
+
+def pool_device(tree: ast.Module, lines: list[str]) -> list[tuple[int, int, str]]:
+    """``MambaPool.__init__`` allocates the speculative intermediate SSM states and conv windows
+    with ``device="cuda"``; the pool's own states use its ``device`` argument: so do these."""
+    return [(*_span(lines, k.value), "device") for f in _methods(tree, "MambaPool", "__init__")
+            if "device" in {a.arg for a in f.args.args + f.args.kwonlyargs}
+            for k in ast.walk(f) if isinstance(k, ast.keyword) and k.arg == "device"
+            and isinstance(k.value, ast.Constant) and k.value.value == "cuda"]
+
+
+def no_cuda_synchronize(tree: ast.Module, lines: list[str]) -> list[tuple[int, int, str]]:
+    """``set_embed_and_head`` (the draft model's embedding and head shared with the target) ends
+    with ``torch.cuda.synchronize()``, which waits for a GPU's streams: on a CPU every op has
+    completed when it returns, so the statement becomes ``pass``."""
+    return [(*_span(lines, stmt), "pass") for f in _methods(tree, None, "set_embed_and_head")
+            for stmt in ast.walk(f) if isinstance(stmt, ast.Expr)
+            and ast.unparse(stmt.value) == "torch.cuda.synchronize()"]
+
+
+TORCH_NATIVE_DRAFT = "_evalsvc_torch_native_draft_backend"
+
+
+def _torch_native_draft_backend(draft_model_runner):
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    return TorchNativeAttnBackend(draft_model_runner)
+
+
+def draft_extend_torch_native(tree: ast.Module, lines: list[str]) -> list[tuple[int, int, str]]:
+    """``DraftBackendFactory.create_draft_extend_backend`` maps attention backends to the draft
+    model's extend backend and has no ``torch_native`` entry (CPUs without AMX): the entry builds
+    the torch backend for the draft runner, as the target's own is built
+    (``TorchNativeAttnBackend(model_runner)``)."""
+    edits = []
+    for f in _methods(tree, "DraftBackendFactory", "create_draft_extend_backend"):
+        for node in ast.walk(f):
+            if isinstance(node, ast.Dict) and any(
+                    isinstance(k, ast.Constant) and k.value == "triton" for k in node.keys) \
+                    and not any(isinstance(k, ast.Constant) and k.value == "torch_native"
+                                for k in node.keys):
+                end = _span(lines, node.values[-1])[1]
+                edits.append((end, end, f", \"torch_native\": lambda: "
+                                        f"{TORCH_NATIVE_DRAFT}(self.draft_model_runner)"))
+    return edits
+
+
+SOURCE_EDITS = {
+    "sglang.srt.mem_cache.memory_pool": (pool_device,),
+    "sglang.srt.models.qwen3_next": (no_cuda_synchronize,),
+    "sglang.srt.speculative.draft_utils": (draft_extend_torch_native,),
+}
+SOURCE_GLOBALS = {"sglang.srt.speculative.draft_utils":
+                  {TORCH_NATIVE_DRAFT: _torch_native_draft_backend}}
+
+
+def edited_source(name: str, source: str) -> tuple[str, int]:
+    """``source`` of module ``name`` with its :data:`SOURCE_EDITS` made; and how many."""
+    lines = source.splitlines(keepends=True)
+    tree = ast.parse(source)
+    edits = sorted((e for edit in SOURCE_EDITS[name] for e in edit(tree, lines)), reverse=True)
+    text = "".join(lines)
+    for start, end, replacement in edits:
+        text = text[:start] + replacement + text[end:]
+    return text, len(edits)
+
+
+class _EditSource(importlib.abc.MetaPathFinder):
+    """Executes the modules of :data:`SOURCE_EDITS` from their edited source."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in SOURCE_EDITS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+
+        def exec_module(module):
+            source, count = edited_source(name, loader.get_source(name))
+            print(f"{VARIABLE}: host adapters: {name}: {count} edit(s)", file=sys.stderr)
+            module.__dict__.update(SOURCE_GLOBALS.get(name, {}))
+            exec(compile(source, loader.get_filename(name), "exec"), module.__dict__)
+
+        loader.exec_module = exec_module
+        return spec
 
 
 class _SetAfterImport(importlib.abc.MetaPathFinder):
@@ -314,8 +635,12 @@ class _SetAfterImport(importlib.abc.MetaPathFinder):
                 raise ImportError(f"{VARIABLE}=reference: {name} has no {', '.join(missing)} "
                                   "(this SGLang release binds its gated RMSNorm otherwise)")
             for attr, value in values.items():
-                if hasattr(module, attr):
-                    setattr(module, attr, value)
+                owner, _, attr = attr.rpartition(".")
+                owner = getattr(module, owner) if owner else module
+                if isinstance(value, Wrap):
+                    setattr(owner, attr, value.factory(getattr(owner, attr)))
+                elif hasattr(owner, attr):
+                    setattr(owner, attr, value)
 
         loader.exec_module = exec_module
         return spec
@@ -367,10 +692,12 @@ def activate(environ=None) -> str:
     ``EVALSVC_CPU_OPS`` asks for, ``reference`` (the default) or ``kernel``. Returns the choice."""
     environ = os.environ if environ is None else environ
     choice = environ.get(VARIABLE, "reference")
+    if choice not in ("reference", "kernel"):
+        raise SystemExit(f"{VARIABLE}={choice!r}: expected reference or kernel")
+    sys.meta_path.insert(0, _SetAfterImport(VERIFY_ATTRS))
+    sys.meta_path.insert(0, _EditSource())
     if choice == "reference":
         install()
     elif choice == "kernel":
         use_kernel(os.path.join(sys.prefix, "kernel-avx512"))
-    else:
-        raise SystemExit(f"{VARIABLE}={choice!r}: expected reference or kernel")
     return choice

@@ -9,6 +9,11 @@ Against the kernel ops themselves (in the SGLang CPU environment): test_sglang_c
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,3 +260,146 @@ def test_the_reference_ops_keep_the_kernels_schemas():
     assert set(ops.OPS) == set(schemas)
     for name, fn in ops.OPS.items():
         assert list(inspect.signature(fn).parameters) == schemas[name], name
+
+
+# ---- target verify (MTP): the Triton kernels' extra arguments, on the CPU ----------------------
+
+def test_the_verify_conv_is_the_conv_of_each_draft_prefix_and_keeps_every_window():
+    """A draft chain of L tokens: token t's output and window are those of the conv over the
+    state and tokens 0..t; the windows go to the intermediate buffer by the row's index there,
+    and the conv state takes the last width - 1 inputs, as the Triton kernel leaves them."""
+    w, b = torch.randn(DIM, WIDTH), torch.randn(DIM)
+    pool = torch.randn(4, DIM, WIDTH - 1)
+    start = pool.clone()
+    length = 3
+    x = torch.randn(2, DIM, length)
+    windows = torch.zeros(3, length, DIM, WIDTH - 1)
+    out = ops.causal_conv1d_update_verify(
+        x, pool, w, b, True, conv_state_indices=torch.tensor([3, 1]),
+        intermediate_conv_window=windows, intermediate_state_indices=torch.tensor([0, 2]))
+    for row, (slot, cache) in enumerate(((3, 0), (1, 2))):
+        want, state = conv_loop(x[row], w, b, start[slot])
+        torch.testing.assert_close(out[row], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[slot], state)
+        for t in range(length):
+            _, after = conv_loop(x[row, :, :t + 1], w, b, start[slot])
+            torch.testing.assert_close(windows[cache, t], after)
+    assert torch.equal(windows[1], torch.zeros(length, DIM, WIDTH - 1))
+    for other in (0, 2):
+        assert torch.equal(pool[other], start[other])
+
+
+def test_the_verify_conv_of_a_draft_tree_follows_each_tokens_ancestors():
+    """EAGLE's tree (topk 2): root 0, children 1 and 2, and 3 a child of 2. Token 3's window is
+    the state's last input, then tokens 0, 2, 3; the parents are written back as the kernel
+    writes them."""
+    w, b = torch.randn(DIM, WIDTH), torch.randn(DIM)
+    pool = torch.randn(1, DIM, WIDTH - 1)
+    start = pool.clone()
+    x = torch.randn(1, DIM, 4)
+    next_token = torch.tensor([[1, -1, 3, -1]])
+    next_sibling = torch.tensor([[-1, 2, -1, -1]])
+    parents = torch.full((1, 4), 9)
+    windows = torch.zeros(1, 4, DIM, WIDTH - 1)
+    out = ops.causal_conv1d_update_verify(
+        x, pool, w, b, True, conv_state_indices=torch.tensor([0]),
+        intermediate_conv_window=windows, intermediate_state_indices=torch.tensor([0]),
+        retrieve_next_token=next_token, retrieve_next_sibling=next_sibling,
+        retrieve_parent_token=parents)
+    assert parents.tolist() == [[0, 0, 0, 2]]
+    path = torch.stack([x[0, :, 0], x[0, :, 2], x[0, :, 3]], dim=1)
+    want, after = conv_loop(path, w, b, start[0])
+    torch.testing.assert_close(out[0, :, 3], want[:, 2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(windows[0, 3], after)
+    want1, _ = conv_loop(x[0, :, :2][:, [0, 1]], w, b, start[0])
+    torch.testing.assert_close(out[0, :, 1], want1[:, 1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_verify_delta_rule_keeps_each_draft_state_and_leaves_the_pool():
+    """Each draft token's state is the token loop's after it, written to the intermediate buffer;
+    with ``disable_state_update`` (as verify calls it) the pool keeps the state it had."""
+    length = 3
+    q, k, v, _, _ = _gdn_inputs(2 * length)
+    a, b = torch.randn(2 * length, HV), torch.randn(2 * length, HV)
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV)
+    pool = torch.randn(4, HV, DV, DK) * 0.1
+    start = pool.clone()
+    states = torch.zeros(2, length, HV, DV, DK)
+    out = ops.gated_delta_rule_verify(
+        A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, initial_state_source=pool,
+        initial_state_indices=torch.tensor([2, 0]), cu_seqlens=torch.tensor([0, length,
+                                                                               2 * length]),
+        use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True,
+        intermediate_states_buffer=states, intermediate_state_indices=torch.tensor([1, 0]),
+        cache_steps=length)
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    for row, (slot, cache) in enumerate(((2, 1), (0, 0))):
+        s = row * length
+        want, _ = delta_rule_loop(q[0, s:s + length], k[0, s:s + length], v[0, s:s + length],
+                                  g[s:s + length], torch.sigmoid(b[s:s + length]), start[slot])
+        torch.testing.assert_close(out[s:s + length, 0], want, rtol=1e-5, atol=1e-5)
+        for t in range(length):
+            _, after = delta_rule_loop(q[0, s:s + t + 1], k[0, s:s + t + 1], v[0, s:s + t + 1],
+                                       g[s:s + t + 1], torch.sigmoid(b[s:s + t + 1]), start[slot])
+            torch.testing.assert_close(states[cache, t], after, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool, start)
+
+
+def test_the_verify_bindings_send_only_verify_calls_to_the_verify_ops():
+    """SGLang's GDN backend binds one name for decode and verify: decode calls keep the op bound
+    before (the kernel's or a reference op), verify calls take the verify op."""
+    seen = []
+    wrapped = ops.VERIFY_ATTRS["sglang.srt.layers.attention.linear.kernels.gdn_triton"][
+        "fused_sigmoid_gating_delta_rule_update"].factory(lambda **kw: seen.append(sorted(kw)))
+    wrapped(A_log=1, is_kda=False)
+    assert seen == [["A_log"]]  # the Triton-only flag at its default is not passed on
+    with pytest.raises(NotImplementedError, match="is_kda"):
+        wrapped(A_log=1, is_kda=True)
+    conv = ops.VERIFY_ATTRS["sglang.srt.layers.attention.linear.gdn_backend"][
+        "causal_conv1d_update"].factory(lambda *a, **kw: "bound")
+    assert conv(1, 2, conv_state_indices=3) == "bound"
+
+
+def test_the_accepted_step_is_scattered_into_each_requests_slot():
+    dst = torch.zeros(2, 5, 3)  # [layers, slots, state]
+    src = torch.randn(2, 3, 4, 3)  # [layers, requests, steps, state]
+    ops.state_scatter_with_mask(dst, src, torch.tensor([4, 1, 2]), torch.tensor([2, -1, 0]))
+    torch.testing.assert_close(dst[:, 4], src[:, 0, 2])
+    torch.testing.assert_close(dst[:, 2], src[:, 2, 0])
+    assert torch.equal(dst[:, [0, 1, 3]], torch.zeros(2, 3, 3))  # request 1 rejected all
+
+
+HOST_EDITED = {  # module -> the one function each edit may change
+    "sglang.srt.mem_cache.memory_pool": ("MambaPool", "__init__"),
+    "sglang.srt.models.qwen3_next": (None, "set_embed_and_head"),
+    "sglang.srt.speculative.draft_utils": ("DraftBackendFactory", "create_draft_extend_backend"),
+}
+
+
+def _functions(tree):
+    return {(cls.name if cls else None, f.name, f.lineno): ast.dump(f)
+            for cls in [None, *(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef))]
+            for f in (cls.body if cls else tree.body) if isinstance(f, ast.FunctionDef)}
+
+
+def test_the_host_adapters_edit_only_the_functions_they_list(sglang_python):
+    """The source edits change the listed function of each listed module and nothing else of
+    SGLang's serving logic: every other function of the module parses the same. Run on the
+    release of the SGLang CPU environment."""
+    assert set(ops.SOURCE_EDITS) == set(HOST_EDITED)
+    root = Path(subprocess.run(
+        [str(sglang_python), "-c", "import importlib.util; "
+         "print(importlib.util.find_spec('sglang').origin)"],
+        capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]},
+    ).stdout.strip()).parent
+    for name, (cls, function) in HOST_EDITED.items():
+        source = (root / Path(*name.split(".")[1:])).with_suffix(".py").read_text()
+        edited, count = ops.edited_source(name, source)
+        assert count >= 1, name
+        before, after = _functions(ast.parse(source)), _functions(ast.parse(edited))
+        assert before.keys() == after.keys()
+        changed = {key[:2] for key in before if before[key] != after[key]}
+        assert changed and all(f == function and cls in (None, c) for c, f in changed), \
+            (name, changed)
+        # idempotent: an edited module has nothing left to edit
+        assert ops.edited_source(name, edited)[1] == 0, name
