@@ -395,6 +395,16 @@ def state_scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw):
             dst[:, slot] = src[:, i, step]
 
 
+def gather_spec_extras(indices, topk_p_buf, topk_index_buf, output_tokens_buf,
+                       hidden_states_buf):
+    """SGLang's Triton ``gather_spec_extras`` (the overlap scheduler's speculative path): the rows
+    ``indices`` of the draft's top-k probabilities and indices, its bonus tokens and (when
+    captured) hidden states, each a new tensor."""
+    rows = indices.long()
+    return (topk_p_buf[rows], topk_index_buf[rows], output_tokens_buf[rows],
+            None if hidden_states_buf is None else hidden_states_buf[rows])
+
+
 def verify_as_extend(forward_extend):
     """``TorchNativeAttnBackend.forward_extend`` for target verify, whose batch carries no
     ``extend_*`` fields: each request extends its ``seq_lens`` tokens by the ``draft_token_num``
@@ -420,8 +430,31 @@ def verify_as_extend(forward_extend):
     return call
 
 
+def _keep_overlap(server_args) -> None:
+    """SGLang's ``_disable_overlap_schedule_for_cpu``, which turns the overlap scheduler off for
+    speculative decoding on ``--device cpu`` ("not implemented ... on CPU"), where a GPU server
+    keeps it: here it keeps it too, so that MTP runs with the overlap scheduler as on a GPU."""
+    del server_args
+
+
+def cpu_record_stream(record_stream):
+    """``Tensor.record_stream`` tells CUDA's caching allocator that a stream still uses a tensor;
+    a CPU tensor has no stream and no such allocator, and torch refuses the call (the CPU stream
+    object is "unknown parameter type"). SGLang's overlap scheduler calls it on the speculative
+    path's indices (``managers/overlap_utils.py``, ``_resolve_spec_extras``): on the CPU it is a
+    no-op, as every op there has completed when it returns."""
+
+    def call(self, stream):
+        if self.device.type == "cpu":
+            return None
+        return record_stream(self, stream)
+
+    call.__wrapped__ = record_stream
+    return call
+
+
 class Wrap:
-    """A value of :data:`VERIFY_ATTRS`: the module's binding is replaced by ``factory(binding)``."""
+    """A value of :data:`HOST_ATTRS`: the module's binding is replaced by ``factory(binding)``."""
 
     def __init__(self, factory) -> None:
         self.factory = factory
@@ -483,9 +516,13 @@ MODULE_ATTRS: dict[str, dict[str, object]] = {
         "fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
     "sglang.srt.models.qwen2_moe": {"fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
 }
-# Target verify (MTP), on either path: the GDN backend's CPU bindings of the update conv and the
-# fused decode rule, which the verify branch calls with the Triton kernels' extra arguments
-VERIFY_ATTRS: dict[str, dict[str, object]] = {
+# MTP speculative decoding on the CPU, on either path (reference ops or kernel): what SGLang's
+# speculative path calls in Triton or CUDA, bound where SGLang binds it. Target verify's conv and
+# fused delta rule (the GDN backend's CPU bindings, which the verify branch calls with the Triton
+# kernels' extra arguments), the accepted step's scatter, verify on the torch attention backend,
+# the overlap scheduler's gather of the draft's extras, and SGLang's CPU-only rule that turns the
+# overlap scheduler off for speculative decoding. The README lists them ("host adapters").
+HOST_ATTRS: dict[str, dict[str, object]] = {
     "sglang.srt.layers.attention.linear.gdn_backend": {
         "causal_conv1d_update": verifying(
             causal_conv1d_update_verify,
@@ -501,6 +538,9 @@ VERIFY_ATTRS: dict[str, dict[str, object]] = {
         "fused_conv_window_scatter_with_mask": state_scatter_with_mask},
     "sglang.srt.layers.attention.torch_native_backend": {
         "TorchNativeAttnBackend.forward_extend": Wrap(verify_as_extend)},
+    "sglang.srt.managers.overlap_utils": {"gather_spec_extras": gather_spec_extras},
+    "sglang.srt.arg_groups.speculative_hook": {
+        "_disable_overlap_schedule_for_cpu": Wrap(lambda _: _keep_overlap)},
 }
 REQUIRED_ATTRS = {"_use_cpu"}  # a flag the module must have; a name is replaced where bound
 _LIBRARY: list[torch.library.Library] = []
@@ -694,8 +734,10 @@ def activate(environ=None) -> str:
     choice = environ.get(VARIABLE, "reference")
     if choice not in ("reference", "kernel"):
         raise SystemExit(f"{VARIABLE}={choice!r}: expected reference or kernel")
-    sys.meta_path.insert(0, _SetAfterImport(VERIFY_ATTRS))
+    sys.meta_path.insert(0, _SetAfterImport(HOST_ATTRS))
     sys.meta_path.insert(0, _EditSource())
+    if not hasattr(torch.Tensor.record_stream, "__wrapped__"):
+        torch.Tensor.record_stream = cpu_record_stream(torch.Tensor.record_stream)
     if choice == "reference":
         install()
     elif choice == "kernel":

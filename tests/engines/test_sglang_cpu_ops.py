@@ -349,13 +349,13 @@ def test_the_verify_bindings_send_only_verify_calls_to_the_verify_ops():
     """SGLang's GDN backend binds one name for decode and verify: decode calls keep the op bound
     before (the kernel's or a reference op), verify calls take the verify op."""
     seen = []
-    wrapped = ops.VERIFY_ATTRS["sglang.srt.layers.attention.linear.kernels.gdn_triton"][
+    wrapped = ops.HOST_ATTRS["sglang.srt.layers.attention.linear.kernels.gdn_triton"][
         "fused_sigmoid_gating_delta_rule_update"].factory(lambda **kw: seen.append(sorted(kw)))
     wrapped(A_log=1, is_kda=False)
     assert seen == [["A_log"]]  # the Triton-only flag at its default is not passed on
     with pytest.raises(NotImplementedError, match="is_kda"):
         wrapped(A_log=1, is_kda=True)
-    conv = ops.VERIFY_ATTRS["sglang.srt.layers.attention.linear.gdn_backend"][
+    conv = ops.HOST_ATTRS["sglang.srt.layers.attention.linear.gdn_backend"][
         "causal_conv1d_update"].factory(lambda *a, **kw: "bound")
     assert conv(1, 2, conv_state_indices=3) == "bound"
 
@@ -403,3 +403,41 @@ def test_the_host_adapters_edit_only_the_functions_they_list(sglang_python):
             (name, changed)
         # idempotent: an edited module has nothing left to edit
         assert ops.edited_source(name, edited)[1] == 0, name
+
+
+def test_the_overlap_schedulers_speculative_extras_are_gathered_by_row():
+    idx = torch.tensor([2, 0])
+    p, i, t, h = torch.randn(3, 4), torch.arange(12).view(3, 4), torch.tensor([7, 8, 9]), None
+    got = ops.gather_spec_extras(idx, p, i, t, h)
+    assert torch.equal(got[0], p[[2, 0]]) and torch.equal(got[1], i[[2, 0]])
+    assert got[2].tolist() == [9, 7] and got[3] is None
+    hidden = torch.randn(3, 5)
+    assert torch.equal(ops.gather_spec_extras(idx, p, i, t, hidden)[3], hidden[[2, 0]])
+
+
+def test_record_stream_is_a_no_op_on_cpu_tensors_only():
+    calls = []
+    record = ops.cpu_record_stream(lambda tensor, stream: calls.append(stream))
+    assert record(torch.zeros(2), "cpu stream") is None and calls == []
+
+    class OnDevice:
+        device = torch.device("meta")
+
+    record(OnDevice(), "stream")
+    assert calls == ["stream"]
+
+
+def test_the_host_adapters_touch_only_the_listed_places():
+    """SGLang's scheduler, caches, pools and speculative workers stay its own: the adapters bind
+    ops and attention where SGLang binds them, and touch managers/, mem_cache/ and speculative/
+    only where the README's list says."""
+    touched = {f"{module}.{attr}" for module, attrs in
+               [*ops.HOST_ATTRS.items(), *ops.MODULE_ATTRS.items()] for attr in attrs}
+    touched |= {f"{module}.{cls or '*'}.{fn}" for module, (cls, fn) in HOST_EDITED.items()}
+    logic = sorted(t for t in touched if any(f".{part}." in t for part in
+                                              ("managers", "mem_cache", "speculative")))
+    assert logic == [
+        "sglang.srt.managers.overlap_utils.gather_spec_extras",
+        "sglang.srt.mem_cache.memory_pool.MambaPool.__init__",
+        "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend",
+    ]

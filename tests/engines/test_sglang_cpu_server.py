@@ -117,8 +117,9 @@ def test_the_reference_ops_agree_with_every_kernel_op(sglang_python, kernel_dir)
     _agree(report, set(OPS))
 
 
-def _evaluate(python: Path, model: Path, names: list[str], out: Path, cpu_ops: str):
-    matrix = load_matrix("sglang-cpu").with_cpu_ops(cpu_ops)
+def _evaluate(python: Path, model: Path, names: list[str], out: Path, cpu_ops: str,
+              matrix_name: str = "sglang-cpu"):
+    matrix = load_matrix(matrix_name).with_cpu_ops(cpu_ops)
     matrix.workload.num_prompts = 4
     spec = EngineSpec(kind="sglang", python=str(python), startup_timeout=300)
     configs, prompts = prepare(matrix, spec, model_override=str(model))
@@ -173,6 +174,31 @@ def test_real_sglang_serves_a_hybrid_model_through_the_harness_on_the_reference_
     # token alone reached k3 373 (BENCHMARKS.md, "Real SGLang's floor")
     head, rest = _extend_k3(samples)
     assert head < 10 * rest + 1e-6, (head, rest)
+    assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
+
+
+def test_real_sglang_serves_mtp_with_and_without_the_overlap_scheduler(
+        sglang_python, qwen3_next, tmp_path, monkeypatch):
+    """MTP (NEXTN from the checkpoint's trained MTP layer) on real SGLang on the reference ops and
+    host adapters: with the radix cache and 128-token chunks, and with the overlap scheduler.
+    Every scenario passes, the speculative one included, and the acceptance is SGLang's own, from
+    its counters: a draft layer that predicts (an untrained one measured 1.03)."""
+    monkeypatch.setenv(MARK, tmp_path.name)
+    names = ["qwen3-next-tiny-nb-sync-c128-mtp", "qwen3-next-tiny-noradix-ov-c128-mtp"]
+    results = _evaluate(sglang_python, qwen3_next, names, tmp_path / "out", "reference",
+                        "sglang-cpu-full")
+    overlap = {r.config: r.resolved_args["disable_overlap_schedule"] for r in results}
+    assert overlap == {names[0]: True, names[1]: False}  # as asked, SGLang's /server_info says
+    for result in results:
+        assert result.resolved_args["speculative_algorithm"] in ("EAGLE", "NEXTN")
+        assert result.resolved_args["speculative_num_draft_tokens"] == 2
+    rows = summary_rows(results)
+    assert {(r["config"], r["scenario"]) for r in rows} >= {
+        (names[0], s) for s in ("cold", "prefill_hit", "decode_hit", "branching", "speculative",
+                                "chunked_hit")} | {(names[1], "speculative")}
+    assert all(r["verdict"] == "pass" for r in rows), rows
+    for r in rows:
+        assert 1.3 < r["accept_length"] <= 2.0, r  # one draft token: 1 to 2 per verify
     assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
 
 
