@@ -159,9 +159,11 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state, scale):
     return out, state
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk=CHUNK):
+def gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk=CHUNK, boundaries=None):
     """The same recurrence in chunks of ``chunk`` tokens (the WY form FLA's kernels and the CPU
-    kernel use): inside a chunk, a unit lower-triangular solve in place of the token loop."""
+    kernel use): inside a chunk, a unit lower-triangular solve in place of the token loop. With
+    a list as ``boundaries``, the state at the start of each chunk is appended to it (FLA's
+    ``h``, which SGLang's extra buffer tracks)."""
     length, hv, _ = k.shape
     pad = (-length) % chunk
     q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
@@ -183,6 +185,8 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk=CHUNK):
     out = v.new_empty(hv, n, chunk, v.shape[-1])
     s = state
     for i in range(n):
+        if boundaries is not None:
+            boundaries.append(s.clone())  # the first is a view of the pool slot
         qi, ki, gi = q[:, i], k[:, i], g[:, i]
         attn = (qi @ ki.transpose(-1, -2) * decay[:, i]) * causal
         v_new = u[:, i] - w[:, i] @ s
@@ -223,6 +227,43 @@ def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output
         finals.append(final.transpose(-1, -2))
     final_states = torch.stack(finals) if finals else initial_state.new_empty(0)
     return out, final_states.to(initial_state.dtype)
+
+
+def chunk_gated_delta_rule_with_h(q, k, v, g, beta, initial_state, cu_seqlens,
+                                  head_first=False, use_qk_l2norm_in_kernel=False,
+                                  initial_state_indices=None):
+    """The extend's delta rule as SGLang's GDN backend calls it where it tracks states for the
+    extra buffer (``kernels/gdn_triton.py``'s ``chunk_gated_delta_rule``, FLA on a GPU): the
+    reference op's outputs and final states, and FLA's ``h``: the state at the start of each
+    64-token chunk of each sequence, back to back (``[1, sum of ceil(L / 64), HV, V, K]``, the
+    pool's layout), from which SGLang copies the state at the last chunk boundary a prefix
+    tracks. (The CPU kernel's wrapper returns ``h = None``: "Todo: add return h support".)"""
+    if head_first:
+        raise NotImplementedError("chunk_gated_delta_rule_with_h: head_first layouts are not "
+                                  "used by SGLang's GDN path")
+    hv, dk = v.shape[2], k.shape[-1]
+    scale = dk ** -0.5
+    out = torch.empty_like(v)
+    slots = initial_state_indices.tolist()
+    finals, h = [], []
+    for i, (s, e) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
+        qi = _per_value_head(q[0, s:e].float(), hv)
+        ki = _per_value_head(k[0, s:e].float(), hv)
+        if use_qk_l2norm_in_kernel:
+            qi, ki = _l2norm(qi), _l2norm(ki)
+        o, final = gated_delta_rule_chunked(qi, ki, v[0, s:e].float(), g[0, s:e].float(),
+                                            beta[0, s:e].float(),
+                                            _kv(initial_state[slots[i]]), scale, boundaries=h)
+        out[0, s:e] = o.to(out.dtype)
+        initial_state[slots[i]] = final.transpose(-1, -2).to(initial_state.dtype)
+        finals.append(final)
+
+    def stack(states):  # [HV, K, V] each -> [n, HV, V, K], the pool's layout and dtype
+        if not states:
+            return initial_state.new_empty(0, *initial_state.shape[1:])
+        return torch.stack(states).transpose(-1, -2).to(initial_state.dtype)
+
+    return out, stack(finals), stack(h).unsqueeze(0)
 
 
 def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b,
@@ -395,6 +436,38 @@ def state_scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw):
             dst[:, slot] = src[:, i, step]
 
 
+def track_states(conv_states, ssm_states, cache_indices, mamba_track_mask,
+                 mamba_track_indices, batch_size, check_freed_slots=False):
+    """SGLang's Triton ``track_mamba_states_if_needed`` (one layer's pools, ``[slot, ...]``) and
+    ``track_mamba_states_all_layers`` (``[layer, slot, ...]``; called with ``layer_axis``): the
+    extra buffer's decode tracking. Each row whose mask is set copies its conv and SSM state from
+    its slot (``cache_indices``) to its track slot; with ``check_freed_slots``, rows with a
+    negative slot on either side are skipped."""
+    return _track(conv_states, ssm_states, cache_indices, mamba_track_mask, mamba_track_indices,
+                  batch_size, check_freed_slots, layer_axis=False)
+
+
+def track_states_all_layers(conv_states_pool, ssm_states_pool, cache_indices, mamba_track_mask,
+                            mamba_track_indices, batch_size, check_freed_slots=False):
+    return _track(conv_states_pool, ssm_states_pool, cache_indices, mamba_track_mask,
+                  mamba_track_indices, batch_size, check_freed_slots, layer_axis=True)
+
+
+def _track(conv, ssm, cache_indices, mask, track_indices, batch_size, check_freed_slots,
+           layer_axis):
+    for b in range(batch_size):
+        if not bool(mask[b]):
+            continue
+        src, dst = int(cache_indices[b]), int(track_indices[b])
+        if check_freed_slots and (src < 0 or dst < 0):
+            continue
+        for pool in (conv, ssm):
+            if layer_axis:
+                pool[:, dst] = pool[:, src]
+            else:
+                pool[dst] = pool[src]
+
+
 def gather_spec_extras(indices, topk_p_buf, topk_index_buf, output_tokens_buf,
                        hidden_states_buf):
     """SGLang's Triton ``gather_spec_extras`` (the overlap scheduler's speculative path): the rows
@@ -450,6 +523,22 @@ def cpu_record_stream(record_stream):
         return record_stream(self, stream)
 
     call.__wrapped__ = record_stream
+    return call
+
+
+def cpu_pin_memory(pin_memory):
+    """``Tensor.pin_memory`` page-locks host memory for fast copies to an accelerator, and torch
+    refuses it where there is none ("Cannot access accelerator device"). SGLang's extra-buffer
+    path calls it on the track mask (``ScheduleBatch.prepare_for_decode``) before copying it to
+    the batch's device, which is the CPU here: the tensor itself, unpinned, is what that copy
+    needs."""
+
+    def call(self, *args, **kwargs):
+        if torch.cuda.is_available():
+            return pin_memory(self, *args, **kwargs)
+        return self
+
+    call.__wrapped__ = pin_memory
     return call
 
 
@@ -515,6 +604,9 @@ MODULE_ATTRS: dict[str, dict[str, object]] = {
     "sglang.kernels.ops.elementwise.elementwise": {
         "fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
     "sglang.srt.models.qwen2_moe": {"fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
+    # the extend's delta rule with FLA's per-chunk states, which the extra buffer tracks
+    "sglang.srt.layers.attention.linear.kernels.gdn_triton": {
+        "chunk_gated_delta_rule": chunk_gated_delta_rule_with_h},
 }
 # MTP speculative decoding on the CPU, on either path (reference ops or kernel): what SGLang's
 # speculative path calls in Triton or CUDA, bound where SGLang binds it. Target verify's conv and
@@ -535,7 +627,9 @@ HOST_ATTRS: dict[str, dict[str, object]] = {
              "retrieve_parent_token"), {"is_kda": False})},
     "sglang.kernels.ops.mamba.mamba_state_scatter_triton": {
         "fused_mamba_state_scatter_with_mask": state_scatter_with_mask,
-        "fused_conv_window_scatter_with_mask": state_scatter_with_mask},
+        "fused_conv_window_scatter_with_mask": state_scatter_with_mask,
+        "track_mamba_states_if_needed": track_states,
+        "track_mamba_states_all_layers": track_states_all_layers},
     "sglang.srt.layers.attention.torch_native_backend": {
         "TorchNativeAttnBackend.forward_extend": Wrap(verify_as_extend)},
     "sglang.srt.managers.overlap_utils": {"gather_spec_extras": gather_spec_extras},
@@ -612,13 +706,56 @@ def draft_extend_torch_native(tree: ast.Module, lines: list[str]) -> list[tuple[
     return edits
 
 
+CAN_PIN = "_evalsvc_can_pin"
+
+
+def _can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def track_indices_unpinned(tree: ast.Module, lines: list[str]) -> list[tuple[int, int, str]]:
+    """``set_mamba_track_indices_from_reqs`` (the extra buffer's track slots of a batch) builds
+    its index tensor with ``pin_memory=True``, which torch refuses without an accelerator; the
+    other tensors of the module pin where ``is_pin_memory_available`` says so. Pinning only speeds
+    a copy to a device: on the CPU the tensor is left unpinned."""
+    return [(*_span(lines, k.value), f"{CAN_PIN}()") for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and f.name == "set_mamba_track_indices_from_reqs"
+            for k in ast.walk(f) if isinstance(k, ast.keyword) and k.arg == "pin_memory"
+            and isinstance(k.value, ast.Constant) and k.value.value is True]
+
+
+REFERENCE_OPS = "_evalsvc_reference_ops"
+
+
+def _reference_ops() -> bool:
+    return os.environ.get(VARIABLE, "reference") == "reference"
+
+
+def extra_buffer_on_cpu(tree: ast.Module, lines: list[str]) -> list[tuple[int, int, str]]:
+    """``ServerArgs._validate_mamba_extra_buffer`` asserts a CUDA, MUSA, NPU or ROCm device
+    ("extra_buffer needs ... (FLA)"): FLA's chunked delta rule is what returns the states at the
+    chunk boundaries that the extra buffer tracks. On the reference ops the CPU has them
+    (:func:`chunk_gated_delta_rule_with_h`), so the assertion admits the CPU there too; the kernel
+    path's op returns none, and stays refused."""
+    return [(_span(lines, node.test)[1], _span(lines, node.test)[1], f" or {REFERENCE_OPS}()")
+            for f in _methods(tree, "ServerArgs", "_validate_mamba_extra_buffer")
+            for node in ast.walk(f) if isinstance(node, ast.Assert)
+            and isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.Or)
+            and "is_cuda()" in {ast.unparse(v) for v in node.test.values}
+            and f"{REFERENCE_OPS}()" not in {ast.unparse(v) for v in node.test.values}]
+
+
 SOURCE_EDITS = {
     "sglang.srt.mem_cache.memory_pool": (pool_device,),
     "sglang.srt.models.qwen3_next": (no_cuda_synchronize,),
     "sglang.srt.speculative.draft_utils": (draft_extend_torch_native,),
+    "sglang.srt.server_args": (extra_buffer_on_cpu,),
+    "sglang.srt.managers.schedule_batch": (track_indices_unpinned,),
 }
 SOURCE_GLOBALS = {"sglang.srt.speculative.draft_utils":
-                  {TORCH_NATIVE_DRAFT: _torch_native_draft_backend}}
+                  {TORCH_NATIVE_DRAFT: _torch_native_draft_backend},
+                  "sglang.srt.server_args": {REFERENCE_OPS: _reference_ops},
+                  "sglang.srt.managers.schedule_batch": {CAN_PIN: _can_pin}}
 
 
 def edited_source(name: str, source: str) -> tuple[str, int]:
@@ -687,8 +824,9 @@ class _SetAfterImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Answer SGLang's AMX check no, re-register the kernel's gated-deltanet ops with the
-    functions above, and route the gated RMSNorm to its CPU op. Call before SGLang is imported."""
+    """Answer SGLang's AMX check no and re-register the kernel's gated-deltanet ops with the
+    functions above (:func:`activate` then binds :data:`MODULE_ATTRS` as SGLang's modules are
+    imported). Call before SGLang is imported."""
     if _LIBRARY:
         return
     torch.cpu._is_amx_tile_supported = lambda: False
@@ -700,7 +838,6 @@ def install() -> None:
         for name, fn in OPS.items():
             library.impl(name, fn, "CPU")
     _LIBRARY.append(library)
-    sys.meta_path.insert(0, _SetAfterImport(MODULE_ATTRS))
 
 
 def use_kernel(kernel_dir: str, cpuinfo: str | None = None) -> None:
@@ -734,10 +871,15 @@ def activate(environ=None) -> str:
     choice = environ.get(VARIABLE, "reference")
     if choice not in ("reference", "kernel"):
         raise SystemExit(f"{VARIABLE}={choice!r}: expected reference or kernel")
-    sys.meta_path.insert(0, _SetAfterImport(HOST_ATTRS))
+    attrs = {name: dict(values) for name, values in HOST_ATTRS.items()}
+    if choice == "reference":
+        for name, values in MODULE_ATTRS.items():
+            attrs.setdefault(name, {}).update(values)
+    sys.meta_path.insert(0, _SetAfterImport(attrs))
     sys.meta_path.insert(0, _EditSource())
     if not hasattr(torch.Tensor.record_stream, "__wrapped__"):
         torch.Tensor.record_stream = cpu_record_stream(torch.Tensor.record_stream)
+        torch.Tensor.pin_memory = cpu_pin_memory(torch.Tensor.pin_memory)
     if choice == "reference":
         install()
     elif choice == "kernel":

@@ -373,6 +373,8 @@ HOST_EDITED = {  # module -> the one function each edit may change
     "sglang.srt.mem_cache.memory_pool": ("MambaPool", "__init__"),
     "sglang.srt.models.qwen3_next": (None, "set_embed_and_head"),
     "sglang.srt.speculative.draft_utils": ("DraftBackendFactory", "create_draft_extend_backend"),
+    "sglang.srt.server_args": ("ServerArgs", "_validate_mamba_extra_buffer"),
+    "sglang.srt.managers.schedule_batch": (None, "set_mamba_track_indices_from_reqs"),
 }
 
 
@@ -438,6 +440,56 @@ def test_the_host_adapters_touch_only_the_listed_places():
                                               ("managers", "mem_cache", "speculative")))
     assert logic == [
         "sglang.srt.managers.overlap_utils.gather_spec_extras",
+        "sglang.srt.managers.schedule_batch.*.set_mamba_track_indices_from_reqs",
         "sglang.srt.mem_cache.memory_pool.MambaPool.__init__",
         "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend",
     ]
+    # one finder per module: a module both edited and bound would lose one of the two
+    assert not set(ops.SOURCE_EDITS) & (set(ops.HOST_ATTRS) | set(ops.MODULE_ATTRS))
+
+
+def test_the_extend_keeps_the_state_at_each_chunk_start_for_the_extra_buffer():
+    """FLA's ``h``: per sequence, the state before each 64-token chunk, sequences back to back,
+    in the pool's layout; the outputs and pool writes are the reference op's."""
+    cu = torch.tensor([0, 150, 214], dtype=torch.int32)  # 3 chunks, then exactly one
+    q, k, v, g, beta = _gdn_inputs(214)
+    pool = torch.randn(3, HV, DV, DK) * 0.1
+    start = pool.clone()
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    other = pool.clone()
+    want, _ = ops.chunk_gated_delta_rule_cpu(q, k, v, g, beta, other, True, cu, False, True,
+                                             slots)
+    out, finals, h = ops.chunk_gated_delta_rule_with_h(
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, cu_seqlens=cu, head_first=False,
+        use_qk_l2norm_in_kernel=True, initial_state_indices=slots)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(pool, other)
+    assert h.shape == (1, 4, HV, DV, DK) and finals.shape == (2, HV, DV, DK)
+    for i, (slot, chunk) in enumerate([(2, 0), (2, 1), (2, 2), (0, 0)]):
+        s = 0 if slot == 2 else 150
+        _, state = delta_rule_loop(q[0, s:s + 64 * chunk], k[0, s:s + 64 * chunk],
+                                   v[0, s:s + 64 * chunk], g[0, s:s + 64 * chunk],
+                                   beta[0, s:s + 64 * chunk], start[slot])
+        torch.testing.assert_close(h[0, i], state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("all_layers", [False, True])
+def test_decode_tracking_copies_the_masked_rows_states_to_their_track_slots(all_layers):
+    conv, ssm = torch.randn(2, 6, DIM, WIDTH - 1), torch.randn(2, 6, HV, DV, DK)
+    if not all_layers:
+        conv, ssm = conv[0], ssm[0]
+    before = (conv.clone(), ssm.clone())
+    track = ops.track_states_all_layers if all_layers else ops.track_states
+    track(conv, ssm, torch.tensor([1, 2, -1]), torch.tensor([True, False, True]),
+          torch.tensor([4, 5, 3]), 3, check_freed_slots=True)
+    at = (lambda t, i: t[:, i]) if all_layers else (lambda t, i: t[i])
+    for new, old in zip((conv, ssm), before, strict=True):
+        assert torch.equal(at(new, 4), at(old, 1))  # row 0: tracked
+        assert torch.equal(at(new, 5), at(old, 5))  # row 1: not masked
+        assert torch.equal(at(new, 3), at(old, 3))  # row 2: a freed slot, skipped
+
+
+def test_pinning_is_a_no_op_without_an_accelerator():
+    pin = ops.cpu_pin_memory(lambda tensor: "pinned")
+    t = torch.zeros(3)
+    assert pin(t) is (t if not torch.cuda.is_available() else "pinned")

@@ -177,28 +177,38 @@ def test_real_sglang_serves_a_hybrid_model_through_the_harness_on_the_reference_
     assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
 
 
-def test_real_sglang_serves_mtp_with_and_without_the_overlap_scheduler(
+def test_real_sglang_serves_mtp_and_the_extra_buffer_with_the_overlap_scheduler(
         sglang_python, qwen3_next, tmp_path, monkeypatch):
-    """MTP (NEXTN from the checkpoint's trained MTP layer) on real SGLang on the reference ops and
-    host adapters: with the radix cache and 128-token chunks, and with the overlap scheduler.
-    Every scenario passes, the speculative one included, and the acceptance is SGLang's own, from
-    its counters: a draft layer that predicts (an untrained one measured 1.03)."""
+    """The GPU axes on real SGLang on the reference ops and host adapters: MTP (NEXTN from the
+    checkpoint's trained MTP layer) with the radix cache and 128-token chunks, and the extra
+    buffer with the overlap scheduler and MTP. Every scenario passes, hits and the speculative
+    one included, and the acceptance is SGLang's own, from its counters: a draft layer that
+    predicts (an untrained one measured 1.03)."""
     monkeypatch.setenv(MARK, tmp_path.name)
-    names = ["qwen3-next-tiny-nb-sync-c128-mtp", "qwen3-next-tiny-noradix-ov-c128-mtp"]
+    names = ["qwen3-next-tiny-nb-sync-c128-mtp", "qwen3-next-tiny-eb-ov-c128-mtp"]
     results = _evaluate(sglang_python, qwen3_next, names, tmp_path / "out", "reference",
                         "sglang-cpu-full")
-    overlap = {r.config: r.resolved_args["disable_overlap_schedule"] for r in results}
-    assert overlap == {names[0]: True, names[1]: False}  # as asked, SGLang's /server_info says
-    for result in results:
-        assert result.resolved_args["speculative_algorithm"] in ("EAGLE", "NEXTN")
-        assert result.resolved_args["speculative_num_draft_tokens"] == 2
+    resolved = {r.config: r.resolved_args for r in results}
+    # as asked, SGLang's /server_info says
+    assert resolved[names[0]]["disable_overlap_schedule"] is True
+    assert resolved[names[1]]["disable_overlap_schedule"] is False
+    assert resolved[names[1]]["mamba_radix_cache_strategy"] == "extra_buffer"
+    for args in resolved.values():
+        assert args["speculative_algorithm"] in ("EAGLE", "NEXTN")
+        assert args["speculative_num_draft_tokens"] == 2
     rows = summary_rows(results)
-    assert {(r["config"], r["scenario"]) for r in rows} >= {
-        (names[0], s) for s in ("cold", "prefill_hit", "decode_hit", "branching", "speculative",
-                                "chunked_hit")} | {(names[1], "speculative")}
+    assert {(r["config"], r["scenario"]) for r in rows} == {
+        (name, s) for name in names for s in ("cold", "prefill_hit", "decode_hit", "branching",
+                                              "speculative", "chunked_hit")}
     assert all(r["verdict"] == "pass" for r in rows), rows
     for r in rows:
         assert 1.3 < r["accept_length"] <= 2.0, r  # one draft token: 1 to 2 per verify
+        if r["scenario"] != "cold":
+            assert r["hit_coverage"] == 1.0, r
+    # the extra buffer caches states at the track interval (64 tokens): its hits are multiples
+    samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
+    hits = samples[(samples.config == names[1]) & (samples.scenario == "prefill_hit")]
+    assert (hits.cached_tokens > 0).all() and (hits.cached_tokens % 64 == 0).all()
     assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
 
 
