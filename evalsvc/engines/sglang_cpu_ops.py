@@ -3,8 +3,16 @@ hybrid GDN model (Qwen3-Next) on any x86-64 CPU.
 
 This module runs inside SGLang's engine processes, never in the service: the SGLang CPU
 environment (``evalsvc.builds.sglang_cpu``) carries a copy of it as ``evalsvc_sglang_cpu_ops`` and
-its ``sitecustomize.py`` calls :func:`install` when the engine's ``EVALSVC_CPU_OPS`` is
-``reference`` (the matrix field ``cpu_ops``). It imports nothing of evalsvc.
+its ``sitecustomize.py`` calls :func:`activate`, which applies the engine's ``EVALSVC_CPU_OPS``
+(the matrix field ``cpu_ops``: ``reference``, the default, or ``kernel``). It imports nothing of
+evalsvc.
+
+On both paths, :func:`activate` also applies the *host adapters*: what SGLang's MTP and
+extra-buffer paths call in CUDA or Triton, which the CPU lacks (the verify ops and the accepted
+step's scatter, the decode tracking, torch attention for verify, pinning and stream hints), bound
+where SGLang binds them (:data:`HOST_ATTRS`), and a few CUDA-only lines edited in the modules'
+source as they are imported (:data:`SOURCE_EDITS`, located in the parse). The README lists each
+with the line it replaces and why the replacement is faithful.
 
 SGLang's CPU path calls its kernel package (``sgl_kernel``) for these ops. The kernel is built for
 AVX-512-BF16 (and its AVX2 build raises "scalar path not implemented" for most of them), and its
