@@ -486,6 +486,57 @@ def gather_spec_extras(indices, topk_p_buf, topk_index_buf, output_tokens_buf,
             None if hidden_states_buf is None else hidden_states_buf[rows])
 
 
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """The kernel package's ``transfer_kv_direct`` (HiCache's ``direct`` io backend, which SGLang
+    binds only on CUDA or ROCm: on the CPU the name is undefined where its host pools call it):
+    for each layer, the rows ``src_indices`` of the source go to the rows ``dst_indices`` of the
+    destination (a page of ``page_size`` tokens is its rows)."""
+    del page_size
+    src_rows, dst_rows = src_indices.long(), dst_indices.long()
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst[dst_rows] = src[src_rows].to(dst.device)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id,
+                                       page_size):
+    """The kernel package's ``direct`` load of one layer from a page-first host pool (``[page,
+    layer, page_size, ...]``) into a layer-first device pool (``[token, ...]``): page by page, the
+    host page of ``src_indices[i]`` at ``layer_id`` goes to the ``page_size`` device rows from
+    ``dst_indices[i]`` (the kernel package's own test reference, ``ref_copy_with_indices_pf_direct``)."""
+    starts = range(0, len(src_indices), page_size)
+    for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
+        for i in starts:
+            row, page = int(dst_indices[i]), int(src_indices[i]) // page_size
+            dst[row:row + page_size] = src[page, layer_id].to(dst.device)
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    """The ``direct`` backup of every layer: ``src_ptrs`` holds each destination's layers in turn
+    (keys' layers, then values'), each ``[token, ...]``; the ``page_size`` rows from
+    ``src_indices[i]`` go to the host page of ``dst_indices[i]`` at that layer."""
+    layers = len(src_ptrs) // len(dst_ptrs)
+    starts = range(0, len(src_indices), page_size)
+    for j, dst in enumerate(dst_ptrs):
+        for layer in range(layers):
+            src = src_ptrs[j * layers + layer]
+            for i in starts:
+                row, page = int(src_indices[i]), int(dst_indices[i]) // page_size
+                dst[page, layer] = src[row:row + page_size].to(dst.device)
+
+
+def host_register_on_cpu(register):
+    """``cudaHostRegister`` (HiCache's host pools pin their buffers with it): on a host without
+    CUDA there is no device to copy to faster, and the call is a no-op."""
+
+    def call(buffer, *args, **kwargs):
+        if torch.cuda.is_available():
+            return register(buffer, *args, **kwargs)
+        return None
+
+    call.__wrapped__ = register
+    return call
+
+
 def verify_as_extend(forward_extend):
     """``TorchNativeAttnBackend.forward_extend`` for target verify, whose batch carries no
     ``extend_*`` fields: each request extends its ``seq_lens`` tokens by the ``draft_token_num``
@@ -548,6 +599,14 @@ def cpu_pin_memory(pin_memory):
 
     call.__wrapped__ = pin_memory
     return call
+
+
+class Define:
+    """A value of :data:`HOST_ATTRS` bound even where the module does not bind the name (SGLang
+    imports some kernels only on CUDA and calls them unconditionally)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
 
 
 class Wrap:
@@ -641,6 +700,15 @@ HOST_ATTRS: dict[str, dict[str, object]] = {
     "sglang.srt.layers.attention.torch_native_backend": {
         "TorchNativeAttnBackend.forward_extend": Wrap(verify_as_extend)},
     "sglang.srt.managers.overlap_utils": {"gather_spec_extras": gather_spec_extras},
+    # HiCache with the direct io backend and the page-first direct layout (the Mamba host pool's)
+    "sglang.srt.mem_cache.pool_host.common": {
+        "_cuda_host_register": Wrap(host_register_on_cpu),
+        "_cuda_host_unregister": Wrap(host_register_on_cpu)},
+    **{module: {"transfer_kv_direct": Define(transfer_kv_direct),
+                "transfer_kv_per_layer_direct_pf_lf": Define(transfer_kv_per_layer_direct_pf_lf),
+                "transfer_kv_all_layer_direct_lf_pf": Define(transfer_kv_all_layer_direct_lf_pf)}
+       for module in ("sglang.srt.mem_cache.pool_host.mha",
+                      "sglang.srt.mem_cache.memory_pool_host")},
     "sglang.srt.arg_groups.speculative_hook": {
         "_disable_overlap_schedule_for_cpu": Wrap(lambda _: _keep_overlap)},
 }
@@ -824,6 +892,8 @@ class _SetAfterImport(importlib.abc.MetaPathFinder):
                 owner = getattr(module, owner) if owner else module
                 if isinstance(value, Wrap):
                     setattr(owner, attr, value.factory(getattr(owner, attr)))
+                elif isinstance(value, Define):
+                    setattr(owner, attr, value.value)
                 elif hasattr(owner, attr):
                     setattr(owner, attr, value)
 

@@ -442,6 +442,14 @@ def test_the_host_adapters_touch_only_the_listed_places():
         "sglang.srt.managers.overlap_utils.gather_spec_extras",
         "sglang.srt.managers.schedule_batch.*.set_mamba_track_indices_from_reqs",
         "sglang.srt.mem_cache.memory_pool.MambaPool.__init__",
+        "sglang.srt.mem_cache.memory_pool_host.transfer_kv_all_layer_direct_lf_pf",
+        "sglang.srt.mem_cache.memory_pool_host.transfer_kv_direct",
+        "sglang.srt.mem_cache.memory_pool_host.transfer_kv_per_layer_direct_pf_lf",
+        "sglang.srt.mem_cache.pool_host.common._cuda_host_register",
+        "sglang.srt.mem_cache.pool_host.common._cuda_host_unregister",
+        "sglang.srt.mem_cache.pool_host.mha.transfer_kv_all_layer_direct_lf_pf",
+        "sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct",
+        "sglang.srt.mem_cache.pool_host.mha.transfer_kv_per_layer_direct_pf_lf",
         "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend",
     ]
     # one finder per module: a module both edited and bound would lose one of the two
@@ -493,3 +501,32 @@ def test_pinning_is_a_no_op_without_an_accelerator():
     pin = ops.cpu_pin_memory(lambda tensor: "pinned")
     t = torch.zeros(3)
     assert pin(t) is (t if not torch.cuda.is_available() else "pinned")
+
+
+def test_hicaches_direct_transfers_move_pages_between_the_tiers_layouts():
+    """The direct io backend's copies: a layer-first device pool (``[token, ...]`` per layer)
+    and a page-first host pool (``[page, layer, page_size, ...]``), page by page, both ways."""
+    layers, page, heads = 3, 2, 4
+    device = [torch.randn(10, heads) for _ in range(2 * layers)]  # keys' layers, then values'
+    host = [torch.zeros(5, layers, page, heads) for _ in range(2)]
+    src, dst = torch.tensor([4, 5, 8, 9]), torch.tensor([2, 3, 6, 7])  # tokens, page-aligned
+    ops.transfer_kv_all_layer_direct_lf_pf(device, host, src, dst, page)
+    for j in range(2):
+        for layer in range(layers):
+            assert torch.equal(host[j][1, layer], device[j * layers + layer][4:6])
+            assert torch.equal(host[j][3, layer], device[j * layers + layer][8:10])
+    assert torch.equal(host[0][0], torch.zeros(layers, page, heads))
+    back = [torch.zeros(10, heads) for _ in range(2)]
+    ops.transfer_kv_per_layer_direct_pf_lf(host, back, dst, torch.tensor([0, 1, 6, 7]), 1, page)
+    assert torch.equal(back[1][0:2], device[layers + 1][4:6])
+    assert torch.equal(back[0][6:8], device[1][8:10])
+    rows = [torch.zeros(10, heads)]
+    ops.transfer_kv_direct([device[0]], rows, torch.tensor([1, 3]), torch.tensor([0, 9]), 1)
+    assert torch.equal(rows[0][[0, 9]], device[0][[1, 3]])
+
+
+def test_host_registration_is_a_no_op_without_cuda():
+    calls = []
+    register = ops.host_register_on_cpu(lambda buffer: calls.append(buffer))
+    register(torch.zeros(2))
+    assert calls == ([] if not torch.cuda.is_available() else calls)
