@@ -56,10 +56,9 @@ def make_config(tok: Tokenizer) -> Qwen3NextConfig:
     return cfg
 
 
-def train(model: Qwen3NextForCausalLM, tok: Tokenizer, steps: int, batch: int, seq: int,
-          lr: float, seed: int) -> dict[str, float]:
-    """Next-token cross-entropy on the corpus (98 % train, the rest held out); AdamW with warm-up
-    and cosine decay. Returns the held-out loss in nats per token."""
+def corpus(tok: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The committed corpus (the Python standard library's sources), tokenised, each file ended
+    by EOS: the first 98 % to train on, the rest held out."""
     text = gzip.decompress((ROOT / "training" / "corpus.txt.gz").read_bytes()).decode("utf-8")
     eos = tok.token_to_id(EOS)
     ids: list[int] = []
@@ -68,7 +67,14 @@ def train(model: Qwen3NextForCausalLM, tok: Tokenizer, steps: int, batch: int, s
         ids.append(eos)
     data = torch.tensor(ids, dtype=torch.long)
     split = int(len(data) * 0.98)
-    source, held = data[:split], data[split:]
+    return data[:split], data[split:]
+
+
+def train(model: Qwen3NextForCausalLM, tok: Tokenizer, steps: int, batch: int, seq: int,
+          lr: float, seed: int) -> dict[str, float]:
+    """Next-token cross-entropy on the corpus (98 % train, the rest held out); AdamW with warm-up
+    and cosine decay. Returns the held-out loss in nats per token."""
+    source, held = corpus(tok)
     gen = torch.Generator().manual_seed(seed)
 
     def batch_from(src: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:

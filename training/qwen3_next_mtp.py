@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gzip
 import json
 import math
 import sys
@@ -56,7 +55,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen3_next import EOS, ROOT, SEPARATOR, TOKENIZER, make_config
+from qwen3_next import ROOT, TOKENIZER, corpus, make_config
 
 DEFAULT_MODEL = ROOT / "evalsvc" / "assets" / "sglang-models" / "qwen3-next-tiny"
 
@@ -132,19 +131,6 @@ class MTP(nn.Module):
         for layer in self.layers:
             z = layer(z, position_embeddings=pe, attention_mask=None, position_ids=pos)
         return self.norm(z)
-
-
-def corpus(tok: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The base's training corpus, tokenised and split exactly as ``qwen3_next.train`` does."""
-    text = gzip.decompress((ROOT / "training" / "corpus.txt.gz").read_bytes()).decode("utf-8")
-    eos = tok.token_to_id(EOS)
-    ids: list[int] = []
-    for f in text.split(SEPARATOR):
-        ids.extend(tok.encode(f, add_special_tokens=False).ids)
-        ids.append(eos)
-    data = torch.tensor(ids, dtype=torch.long)
-    split = int(len(data) * 0.98)
-    return data[:split], data[split:]
 
 
 def batch_from(src: torch.Tensor, n: int, seq: int, g: torch.Generator) -> torch.Tensor:

@@ -213,28 +213,8 @@ def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output
     ``value`` ``[1, T, HV, V]``, ``g``/``beta`` ``[1, T, HV]``), from and back into the pool's state
     ``initial_state[initial_state_indices[i]]`` (``[HV, V, K]``, float32), in place. Returns
     (``[1, T, HV, V]`` in ``value``'s dtype, the final states ``[N, HV, V, K]``)."""
-    if head_first:
-        raise NotImplementedError("chunk_gated_delta_rule_cpu: head_first layouts are not used "
-                                  "by SGLang's GDN path")
-    hv, dk = value.shape[2], key.shape[-1]
-    scale = dk ** -0.5
-    out = torch.empty_like(value)
-    starts = cu_seqlens.tolist()
-    slots = initial_state_indices.tolist()
-    finals = []
-    for i, (s, e) in enumerate(itertools.pairwise(starts)):
-        qi = _per_value_head(query[0, s:e].float(), hv)
-        ki = _per_value_head(key[0, s:e].float(), hv)
-        if use_qk_l2norm_in_kernel:
-            qi, ki = _l2norm(qi, eps), _l2norm(ki, eps)
-        o, final = gated_delta_rule_chunked(qi, ki, value[0, s:e].float(), g[0, s:e].float(),
-                                            beta[0, s:e].float(),
-                                            _kv(initial_state[slots[i]]), scale)
-        out[0, s:e] = o.to(out.dtype)
-        initial_state[slots[i]] = final.transpose(-1, -2).to(initial_state.dtype)
-        finals.append(final.transpose(-1, -2))
-    final_states = torch.stack(finals) if finals else initial_state.new_empty(0)
-    return out, final_states.to(initial_state.dtype)
+    return _extend(query, key, value, g, beta, initial_state, cu_seqlens, head_first,
+                   use_qk_l2norm_in_kernel, initial_state_indices, eps, None)
 
 
 def chunk_gated_delta_rule_with_h(q, k, v, g, beta, initial_state, cu_seqlens,
@@ -246,32 +226,42 @@ def chunk_gated_delta_rule_with_h(q, k, v, g, beta, initial_state, cu_seqlens,
     64-token chunk of each sequence, back to back (``[1, sum of ceil(L / 64), HV, V, K]``, the
     pool's layout), from which SGLang copies the state at the last chunk boundary a prefix
     tracks. (The CPU kernel's wrapper returns ``h = None``: "Todo: add return h support".)"""
+    h = []
+    out, finals = _extend(q, k, v, g, beta, initial_state, cu_seqlens, head_first,
+                          use_qk_l2norm_in_kernel, initial_state_indices, 1e-6, h)
+    return out, finals, _pool_layout(h, initial_state).unsqueeze(0)
+
+
+def _pool_layout(states, pool):
+    """``[HV, K, V]`` float32 states -> ``[n, HV, V, K]`` in the pool's layout and dtype."""
+    if not states:
+        return pool.new_empty(0, *pool.shape[1:])
+    return torch.stack(states).transpose(-1, -2).to(pool.dtype)
+
+
+def _extend(query, key, value, g, beta, initial_state, cu_seqlens, head_first, l2norm, slots,
+            eps, boundaries):
     if head_first:
-        raise NotImplementedError("chunk_gated_delta_rule_with_h: head_first layouts are not "
-                                  "used by SGLang's GDN path")
-    hv, dk = v.shape[2], k.shape[-1]
+        raise NotImplementedError("chunk_gated_delta_rule: head_first layouts are not used by "
+                                  "SGLang's GDN path")
+    hv, dk = value.shape[2], key.shape[-1]
     scale = dk ** -0.5
-    out = torch.empty_like(v)
-    slots = initial_state_indices.tolist()
-    finals, h = [], []
+    out = torch.empty_like(value)
+    slots = slots.tolist()
+    finals = []
     for i, (s, e) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
-        qi = _per_value_head(q[0, s:e].float(), hv)
-        ki = _per_value_head(k[0, s:e].float(), hv)
-        if use_qk_l2norm_in_kernel:
-            qi, ki = _l2norm(qi), _l2norm(ki)
-        o, final = gated_delta_rule_chunked(qi, ki, v[0, s:e].float(), g[0, s:e].float(),
+        qi = _per_value_head(query[0, s:e].float(), hv)
+        ki = _per_value_head(key[0, s:e].float(), hv)
+        if l2norm:
+            qi, ki = _l2norm(qi, eps), _l2norm(ki, eps)
+        o, final = gated_delta_rule_chunked(qi, ki, value[0, s:e].float(), g[0, s:e].float(),
                                             beta[0, s:e].float(),
-                                            _kv(initial_state[slots[i]]), scale, boundaries=h)
+                                            _kv(initial_state[slots[i]]), scale,
+                                            boundaries=boundaries)
         out[0, s:e] = o.to(out.dtype)
         initial_state[slots[i]] = final.transpose(-1, -2).to(initial_state.dtype)
         finals.append(final)
-
-    def stack(states):  # [HV, K, V] each -> [n, HV, V, K], the pool's layout and dtype
-        if not states:
-            return initial_state.new_empty(0, *initial_state.shape[1:])
-        return torch.stack(states).transpose(-1, -2).to(initial_state.dtype)
-
-    return out, stack(finals), stack(h).unsqueeze(0)
+    return out, _pool_layout(finals, initial_state)
 
 
 def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b,
@@ -283,27 +273,9 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b,
     ``initial_state_source[initial_state_indices[i]]`` (``[HV, V, K]``), in place. Returns
     ``[T, 1, HV, V]`` in ``v``'s dtype, as the kernel does. A negative index (a padded row) leaves
     its output zero."""
-    hv, dk = v.shape[2], k.shape[-1]
-    scale = dk ** -0.5
-    out = v.new_zeros(v.shape[1], 1, hv, v.shape[3])
-    starts = cu_seqlens.tolist()
-    slots = initial_state_indices.tolist()
-    a2, b2 = a.reshape(-1, hv), b.reshape(-1, hv)
-    for i, (s, e) in enumerate(itertools.pairwise(starts)):
-        if slots[i] < 0:
-            continue
-        g = -A_log.float().exp() * F.softplus(a2[s:e].float() + dt_bias.float(),
-                                               beta=softplus_beta, threshold=softplus_threshold)
-        qi = _per_value_head(q[0, s:e].float(), hv)
-        ki = _per_value_head(k[0, s:e].float(), hv)
-        if use_qk_l2norm_in_kernel:
-            qi, ki = _l2norm(qi), _l2norm(ki)
-        o, final = gated_delta_rule_recurrent(qi, ki, v[0, s:e].float(), g,
-                                              torch.sigmoid(b2[s:e].float()),
-                                              _kv(initial_state_source[slots[i]]), scale)
-        out[s:e, 0] = o.to(out.dtype)
-        initial_state_source[slots[i]] = final.transpose(-1, -2).to(initial_state_source.dtype)
-    return out
+    return gated_delta_rule_verify(A_log, dt_bias, q, k, v, a, b, initial_state_source,
+                                   initial_state_indices, cu_seqlens, use_qk_l2norm_in_kernel,
+                                   softplus_beta, softplus_threshold)
 
 
 def draft_parents(retrieve_next_token, retrieve_next_sibling, length: int) -> list[int]:
