@@ -496,17 +496,29 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
                 dst[page, layer] = src[row:row + page_size].to(dst.device)
 
 
-def host_register_on_cpu(register):
-    """``cudaHostRegister`` (HiCache's host pools pin their buffers with it): on a host without
-    CUDA there is no device to copy to faster, and the call is a no-op."""
+def without_cuda(otherwise):
+    """A binding that only serves a CUDA device, kept where CUDA is there and answering
+    ``otherwise(first argument)`` where it is not. For host-memory pinning, which only speeds
+    copies to a device: HiCache's host pools pin their buffers with ``cudaHostRegister``
+    (``_cuda_host_register``: nothing to do), and SGLang's extra-buffer path calls
+    ``Tensor.pin_memory`` on the track mask (``ScheduleBatch.prepare_for_decode``) before copying
+    it to the batch's device, the CPU here (the tensor itself, unpinned, is what that copy needs).
+    torch refuses both without an accelerator."""
 
-    def call(buffer, *args, **kwargs):
-        if torch.cuda.is_available():
-            return register(buffer, *args, **kwargs)
-        return None
+    def factory(bound):
+        def call(first, *args, **kwargs):
+            if torch.cuda.is_available():
+                return bound(first, *args, **kwargs)
+            return otherwise(first)
 
-    call.__wrapped__ = register
-    return call
+        call.__wrapped__ = bound
+        return call
+
+    return factory
+
+
+host_register_on_cpu = without_cuda(lambda buffer: None)
+cpu_pin_memory = without_cuda(lambda tensor: tensor)
 
 
 def verify_as_extend(forward_extend):
@@ -554,22 +566,6 @@ def cpu_record_stream(record_stream):
         return record_stream(self, stream)
 
     call.__wrapped__ = record_stream
-    return call
-
-
-def cpu_pin_memory(pin_memory):
-    """``Tensor.pin_memory`` page-locks host memory for fast copies to an accelerator, and torch
-    refuses it where there is none ("Cannot access accelerator device"). SGLang's extra-buffer
-    path calls it on the track mask (``ScheduleBatch.prepare_for_decode``) before copying it to
-    the batch's device, which is the CPU here: the tensor itself, unpinned, is what that copy
-    needs."""
-
-    def call(self, *args, **kwargs):
-        if torch.cuda.is_available():
-            return pin_memory(self, *args, **kwargs)
-        return self
-
-    call.__wrapped__ = pin_memory
     return call
 
 
@@ -682,7 +678,7 @@ HOST_ATTRS: dict[str, dict[str, object]] = {
        for module in ("sglang.srt.mem_cache.pool_host.mha",
                       "sglang.srt.mem_cache.memory_pool_host")},
     "sglang.srt.arg_groups.speculative_hook": {
-        "_disable_overlap_schedule_for_cpu": Wrap(lambda _: _keep_overlap)},
+        "_disable_overlap_schedule_for_cpu": _keep_overlap},
 }
 REQUIRED_ATTRS = {"_use_cpu"}  # a flag the module must have; a name is replaced where bound
 _LIBRARY: list[torch.library.Library] = []
