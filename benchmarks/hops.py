@@ -10,7 +10,9 @@ job's end. The walk is those functions in the order they were first called. Repo
 (functions), the modules it visits, and its returns: how often the walk comes back to a module it
 had left (a module visited once in one stretch returns 0 times). The engine's own process is not
 in the walk (it is another process), nor are the threads that were busy before the POST with other
-work (the nightly scheduler's). ``--show`` prints the walk.
+work (the nightly scheduler's). Also reported, its re-entries: the call sites where the job's call
+chain calls back into a module already on its stack below another (A calls B, which calls A: a
+callback), counted once each. ``--show`` prints the walk and the re-entries.
 """
 
 from __future__ import annotations
@@ -43,18 +45,37 @@ class Walk:
         self.stops: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.on = False
+        self.stacks = threading.local()
+        self.reentries: dict[tuple[str, str], int] = {}
 
     def hook(self, frame, event, arg):
-        if event != "call" or not self.on:
+        if event not in ("call", "return"):
             return
         code = frame.f_code
         if not code.co_filename.startswith(PACKAGE):
+            return
+        stack = self.stacks.__dict__.setdefault("frames", [])
+        module = module_of(code.co_filename)
+        if event == "return":
+            if stack:
+                stack.pop()
+            return
+        caller = stack[-1] if stack else None
+        stack.append((module, code.co_qualname))
+        if not self.on:
             return
         key = (code.co_filename, code.co_firstlineno)
         with self.lock:
             if key not in self.seen:
                 self.seen.add(key)
-                self.stops.append((module_of(code.co_filename), code.co_qualname))
+                self.stops.append((module, code.co_qualname))
+            # a comprehension or generator expression runs where another module consumes it,
+            # yet a reader reads it in place: no re-entry
+            inline = code.co_name.startswith("<") and code.co_name != "<lambda>"
+            if caller is not None and caller[0] != module and not inline and \
+                    any(m == module for m, _ in stack[:-1]):
+                site = (f"{caller[0]}:{caller[1]}", f"{module}:{code.co_qualname}")
+                self.reentries[site] = self.reentries.get(site, 0) + 1
 
     def summary(self) -> dict:
         modules: list[str] = []
@@ -67,7 +88,8 @@ class Walk:
                 else:
                     modules.append(module)
                 last = module
-        return {"stops": len(self.stops), "modules": len(modules), "returns": returns}
+        return {"stops": len(self.stops), "modules": len(modules), "returns": returns,
+                "reentries": len(self.reentries)}
 
 
 def run(config: str, show: bool) -> dict:
@@ -104,6 +126,9 @@ def run(config: str, show: bool) -> dict:
     if show:
         for module, name in walk.stops:
             print(f"{module}:{name}")
+        print("re-entries (a call back into a module already on the call stack below another):")
+        for (caller, callee), n in sorted(walk.reentries.items()):
+            print(f"  {caller} -> {callee} ({n}x)")
     return {"config": config, "status": job["status"],
             "verdicts": [r["verdict"] for r in job["runs"]], **walk.summary()}
 

@@ -54,6 +54,7 @@ from evalsvc.metrics import paired_difference_ci  # noqa: E402
 from evalsvc.store.db import Store  # noqa: E402
 from evalsvc.store.models import Build, Commit, Job, Metric, Run, SampleRow, ScenarioRow  # noqa: E402
 from evalsvc.store.queries import compare, latest_per_config, metric_history  # noqa: E402
+from evalsvc.store.reads import ScenarioComparison  # noqa: E402
 
 METRIC_NAMES = ("kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "kl_k3_token_mean", "kl_k3_p50", "kl_k3_p99",
                 "kl_k3_max", "topk_kl_mean", "same_top_rate", "hit_coverage")
@@ -298,21 +299,21 @@ def _depth(rows, row) -> int:
     return depth
 
 
-def check_compare(rows: list[dict[str, Any]], n_configs: int, session_factory) -> None:
+def check_compare(rows: list[ScenarioComparison], n_configs: int, session_factory) -> None:
     """compare's rows: every config x scenario, every one paired, intervals as paired_difference_ci."""
     assert len(rows) == n_configs * len(SCENARIOS), len(rows)
-    assert all(r["paired_samples"] == SAMPLES_PER_SCENARIO for r in rows)
+    assert all(r.paired_samples == SAMPLES_PER_SCENARIO for r in rows)
     with session_factory() as s:
         for r in rows:
             pairs = s.execute(select(SampleRow.run_id, SampleRow.sample_id, SampleRow.kl_k3_mean)
-                              .where(SampleRow.run_id.in_([r["baseline_run"], r["contender_run"]]),
-                                     SampleRow.scenario == r["scenario"])).all()
-            b = {sid: v for rid, sid, v in pairs if rid == r["baseline_run"]}
-            c = {sid: v for rid, sid, v in pairs if rid == r["contender_run"]}
+                              .where(SampleRow.run_id.in_([r.baseline_run, r.contender_run]),
+                                     SampleRow.scenario == r.scenario)).all()
+            b = {sid: v for rid, sid, v in pairs if rid == r.baseline_run}
+            c = {sid: v for rid, sid, v in pairs if rid == r.contender_run}
             ids = sorted(set(b) & set(c))
             _, low, high = paired_difference_ci(np.array([b[i] for i in ids]), np.array([c[i] for i in ids]),
                                                 n_boot=1000)
-            assert np.allclose((low, high), (r["ci_low"], r["ci_high"]), rtol=1e-12, atol=1e-15), (
+            assert np.allclose((low, high), (r.ci_low, r.ci_high), rtol=1e-12, atol=1e-15), (
                 r, low, high)
 
 

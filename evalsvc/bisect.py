@@ -1,6 +1,8 @@
-"""Bisection: the first bad commit of a git source between a good and a bad one.
+"""Bisection: the first bad commit of a git source between a good and a bad one, or the first
+bad release of SGLang on PyPI (``repository: pypi:sglang``, ``good`` and ``bad`` versions).
 
-The candidates are the first-parent commits after ``good`` up to ``bad``. Each step evaluates one
+The candidates are the first-parent commits after ``good`` up to ``bad`` (the releases after
+``good`` up to ``bad``, in the index's order). Each step evaluates one
 config, only, on one commit (a job with trigger ``bisect``, run like any other), or reuses a
 finished run of that config on that commit if the store has one; the commit is bad when the
 scenario failed (a fixed limit or a history regression) or, with ``metric``, when that metric's
@@ -31,10 +33,12 @@ from sqlalchemy import select
 from evalsvc.builds.build import BuildError, git, git_mirror
 from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService, UnknownConfigs, mint_id, plan_runs
+from evalsvc.jobs.builds import SGLANG_REPOSITORY
 from evalsvc.jobs.spec import JobSpec, job_spec
 from evalsvc.judging import METRICS, POOLED
 from evalsvc.logs import log_context
 from evalsvc.matrix import SCENARIOS, MatrixError, load_matrix
+from evalsvc.nightly import NightlyError, releases
 from evalsvc.store import audit
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
@@ -43,6 +47,7 @@ from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, RunStatus, Verdict
 
 log = logging.getLogger("evalsvc.bisect")
 T = TypeVar("T")
+RELEASES = "pypi:sglang"  # the repository of a bisection over SGLang's releases
 SETTLE = 30.0  # seconds: a step's job is looked at this often even when no end was signalled
 # the verdicts of a run (and its scenarios) that decide a step: good or bad, not unmeasured
 DECIDING = (Verdict.PASS, Verdict.FAIL, Verdict.EXPECTED)
@@ -54,9 +59,11 @@ class BisectCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     repository: str | None = Field(None, max_length=500,
-                                     description="git repository (path or URL)")
-    good: str | None = Field(None, max_length=200, description="a commit where the config passes")
-    bad: str | None = Field(None, max_length=200, description="a later commit where it fails")
+                                     description="git repository (path or URL), or pypi:sglang "
+                                                 "for SGLang's releases")
+    good: str | None = Field(None, max_length=200, description="a commit (or release) where the "
+                                                               "config passes")
+    bad: str | None = Field(None, max_length=200, description="a later one where it fails")
     matrix: str = Field("smoke", max_length=100, description="matrix name (EVALSVC_CONFIGS_DIR or "
                                                                  "evalsvc/configs)")
     config: str | None = Field(None, max_length=200, description="the failing config of the matrix")
@@ -163,8 +170,11 @@ class Bisector:
         # the steps' job body, checked first (allowed sources before anything is cloned)
         stored = self.jobs.normalize(_step_body(
             fields["matrix"], fields["config"], fields["patches"], fields.get("workload"),
-            f"git:{repo}@{fields['bad']}", fields.get("engine_env")), trusted=trusted)
+            _source(repo, fields["bad"]), fields.get("engine_env")), trusted=trusted)
         fields["engine_env"] = stored.get("engine_env")  # the steps run where the first did
+        if repo == RELEASES:
+            return BisectSpec.model_validate({**fields, "candidates": _releases_between(
+                fields["good"], fields["bad"])})
         try:
             mirror = git_mirror(repo, self.jobs.settings.resolved_builds_dir())
             good = _resolve(mirror, fields["good"], "good")
@@ -188,11 +198,18 @@ class Bisector:
             bad_commit = reg.first_run.build.commit
             good_run = reg.last_good_run
             spec = job_spec(reg.first_run.job)
-            if not bad_commit.sha or good_run is None or not good_run.build.commit.sha:
+            good_commit = good_run.build.commit if good_run is not None else None
+            releases = (bad_commit.repository == SGLANG_REPOSITORY and not bad_commit.sha
+                        and bad_commit.version and good_commit is not None
+                        and not good_commit.sha and good_commit.version)
+            if not releases and (not bad_commit.sha or good_commit is None
+                                 or not good_commit.sha):
                 raise JobError(f"regression_id: regression {regression_id} has no good and bad "
-                               "git commits to bisect between")
-            return {"repository": bad_commit.repository, "good": good_run.build.commit.sha,
-                    "bad": bad_commit.sha, "matrix": reg.matrix, "config": reg.config,
+                               "git commits (or SGLang releases) to bisect between")
+            return {"repository": RELEASES if releases else bad_commit.repository,
+                    "good": good_commit.version if releases else good_commit.sha,
+                    "bad": bad_commit.version if releases else bad_commit.sha,
+                    "matrix": reg.matrix, "config": reg.config,
                     "scenario": reg.scenario, "metric": reg.metric,
                     "patches": [p for p in reg.patch_set.split(",") if p],
                     "workload": _workload_overrides(spec),
@@ -272,7 +289,7 @@ class Bisector:
     def _submit_step(self, bisect_id: str, spec: BisectSpec | dict[str, Any], sha: str) -> str:
         spec = BisectSpec.model_validate(spec) if isinstance(spec, dict) else spec  # as stored
         body = _step_body(spec.matrix, spec.config, spec.patches, spec.workload,
-                          f"git:{spec.repository}@{sha}", spec.engine_env)
+                          _source(spec.repository, sha), spec.engine_env)
         job_id = self.jobs.submit(body, trigger="bisect", trusted=True,
                                   extra={"bisection": bisect_id, "bisection_sha": sha})
         with self.store.session() as s:  # counted when it starts, whatever its outcome
@@ -288,12 +305,14 @@ class Bisector:
 
     def _stored_run(self, spec: BisectSpec, sha: str) -> int | None:
         patch_set = ",".join(sorted(set(spec.patches)))
+        commit = ((Commit.version == sha) & Commit.sha.is_(None)
+                  & (Commit.repository == SGLANG_REPOSITORY) if spec.repository == RELEASES
+                  else (Commit.sha == sha) & (Commit.repository == spec.repository))
         with self.store.session() as s:
             return s.scalars(
                 select(Run.id).join(Build, Run.build_id == Build.id)
                 .join(Commit, Build.commit_id == Commit.id)
-                .where(Commit.sha == sha, Commit.repository == spec.repository,
-                       Build.patch_set == patch_set, Run.matrix == spec.matrix,
+                .where(commit, Build.patch_set == patch_set, Run.matrix == spec.matrix,
                        Run.config == spec.config, Run.status == RunStatus.DONE,
                        Run.verdict.in_(DECIDING))
                 .order_by(Run.finished_at.desc()).limit(1)).first()
@@ -389,6 +408,25 @@ def _step_body(matrix: str, config: str, patches: list[str], workload: dict[str,
     return JobCreate(matrix=matrix, configs=[config],
                      builds=[BuildSpec(source=source, patches=patches)], workload=workload,
                      engine_env=engine_env, priority=100)
+
+
+def _source(repository: str, ref: str) -> str:
+    """The build source of one candidate: a release of SGLang, or a commit of a repository."""
+    return f"sglang=={ref}" if repository == RELEASES else f"git:{repository}@{ref}"
+
+
+def _releases_between(good: str, bad: str) -> list[str]:
+    """SGLang's releases after ``good`` up to ``bad``, oldest first."""
+    try:
+        listed = list(reversed(releases("sglang")))
+    except NightlyError as exc:
+        raise JobError(f"repository: {exc}") from None
+    for what, version in (("good", good), ("bad", bad)):
+        if version not in listed:
+            raise JobError(f"{what}: no release {version!r} of sglang on the index")
+    if listed.index(good) >= listed.index(bad):
+        raise JobError(f"good: release {good} is not older than bad {bad}")
+    return listed[listed.index(good) + 1:listed.index(bad) + 1]
 
 
 def _resolve(mirror, ref: str, what: str) -> str:

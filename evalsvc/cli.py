@@ -91,6 +91,9 @@ def run(
     store: Annotated[bool, typer.Option(
         "--store/--no-store", help="record the results in the store (EVALSVC_DATABASE_URL or "
                                    "SQLite in EVALSVC_DATA_DIR)")] = True,
+    track: Annotated[bool, typer.Option(
+        help="a tracked run of its series, as a nightly's: its verdicts open and close the "
+             "series' regressions (and alert)")] = False,
     source: Annotated[str | None, typer.Option(
         help="SGLang build source: sglang==VERSION, git:REPO@COMMIT or path:DIR (laid over "
              "--engine-python's environment)")] = None,
@@ -122,7 +125,6 @@ def run(
     from evalsvc.jobs import BuildSpec, JobSpec, UnknownConfigs, mint_id
     from evalsvc.jobs import run as job_run
     from evalsvc.jobs.builds import ReadyBuild
-    from evalsvc.jobs.record import end_job
     from evalsvc.logs import setup_logging
     from evalsvc.matrix import MatrixError, load_matrix
     from evalsvc.settings import Settings
@@ -150,6 +152,9 @@ def run(
     if inject_defect and not entry.injects_defects:
         console.print(f"[red]error:[/] --inject-defect needs the "
                       f"{' or '.join(kinds_with('injects_defects'))} engine")
+        raise typer.Exit(2)
+    if track and not store:
+        console.print("[red]error:[/] --track needs the store (drop --no-store)")
         raise typer.Exit(2)
     if (source or patch) and (entry.local_builds or not source):
         console.print(f"[red]error:[/] --source/--patch need --engine "
@@ -218,7 +223,8 @@ def run(
         raise typer.Exit(2) from None
     # the job as the service stores it too: the matrix as run (its model and CPU ops applied)
     job = JobSpec(matrix_name=mat.name, matrix=mat, engine=kind, builds=[wanted],
-                  configs=configs or None, model=model_name, engine_env=engine_env)
+                  configs=configs or None, model=model_name, engine_env=engine_env,
+                  track=track)
     job_id = mint_id("cli", digits=6)
     if dry_run:
         outcome = job_run.run_job(job_id, job, None, None, job_run.RunOptions(
@@ -232,28 +238,14 @@ def run(
         from evalsvc.store.db import Store
 
         db = Store(settings.resolved_database_url())
-    ended = {"left": len(cfgs), "failures": []}  # what the job's end is written from
-
-    def on_result(_planned, _result, failure: str | None) -> None:
-        ended["left"] -= 1
-        if failure is not None:
-            ended["failures"].append(failure)
-
     t0 = time.monotonic()
-    job_status = None
-    try:
+    try:  # with a store, the job's end is written however it stops (Ctrl-C: cancelled)
         outcome = run_local(job_id, job, spec, cfgs, prompts, out, console, store=db,
                             results_dir=settings.results_dir(),
                             build=ReadyBuild(spec, ready.ref, None) if ready else None,
-                            trigger="cli", on_result=on_result)
+                            trigger="cli")
     finally:
-        if db is not None:  # cancelled when it stopped before its runs ended (Ctrl-C)
-            status = ("cancelled" if ended["left"] else "failed" if ended["failures"]
-                      else "done")
-            error = "; ".join(ended["failures"]) or None
-            written, _ = db.write(lambda s: end_job(s, job_id, status, error),
-                                  f"job {job_id}: its end")
-            job_status = written or status  # failed when every run errored
+        if db is not None:
             db.close()
     results = outcome.results
     console.print(results_table(results, f"{mat.name}: {len(cfgs)} configs, "
@@ -261,7 +253,7 @@ def run(
     console.print(f"results: {out}/summary.json, {out}/samples.parquet, logs in {out}/logs")
     if db is not None:
         patch_set = ready.ref.patch_set
-        console.print(f"recorded as job {job_id} ({job_status}) of build {ready.ref.ref}"
+        console.print(f"recorded as job {job_id} ({outcome.status}) of build {ready.ref.ref}"
                       f"{' +' + patch_set if patch_set else ''} in "
                       f"{settings.resolved_database_url()}")
     for failure in outcome.failures:
@@ -485,10 +477,12 @@ def nightly(
 
 @app.command()
 def bisect(
-    repository: Annotated[str | None, typer.Option("--repo", help="git repository (path or URL)")]
+    repository: Annotated[str | None, typer.Option(
+        "--repo", help="git repository (path or URL), or pypi:sglang for SGLang's releases")]
     = None,
-    good: Annotated[str | None, typer.Option(help="a commit where the config passes")] = None,
-    bad: Annotated[str | None, typer.Option(help="a later commit where it fails")] = None,
+    good: Annotated[str | None, typer.Option(help="a commit (or release) where the config "
+                                                  "passes")] = None,
+    bad: Annotated[str | None, typer.Option(help="a later one where it fails")] = None,
     config: Annotated[str | None, typer.Option(help="the failing config")] = None,
     scenario: Annotated[str | None, typer.Option(help="the failing scenario")] = None,
     metric: Annotated[str | None, typer.Option(help="kl_k3_mean or accept_length (default: any "
@@ -505,7 +499,8 @@ def bisect(
                                                     "default: run here, in the local store")]
     = None,
 ) -> None:
-    """Find the first bad commit between GOOD and BAD, running only CONFIG on midpoints."""
+    """Find the first bad commit (or release) between GOOD and BAD, running only CONFIG on
+    midpoints."""
     import time
 
     from evalsvc.bisect import BisectCreate, Bisector

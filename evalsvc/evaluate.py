@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from evalsvc.harness import EnginePool, RunControl, run_config
 from evalsvc.jobs import run as job_run
 from evalsvc.jobs.builds import ReadyBuild
 from evalsvc.jobs.plan import plan_runs
-from evalsvc.jobs.record import PlannedRun
+from evalsvc.jobs.record import PlannedRun, end_job
 from evalsvc.jobs.run import JobOutcome, RunOptions
 from evalsvc.jobs.spec import BuildSpec, JobSpec, mint_id
 from evalsvc.matrix import Config, MatrixFile, make_config
@@ -70,33 +69,31 @@ def prepare(matrix: MatrixFile, spec: EngineSpec, model_override: str | None = N
 
 
 def evaluate(matrix: MatrixFile, configs: list[Config], prompts, spec: EngineSpec, out_dir: Path,
-             console: Console | None = None, engines: EnginePool | None = None,
-             on_result: Callable[[Config, RunResult], None] | None = None) -> list[RunResult]:
+             console: Console | None = None, engines: EnginePool | None = None
+             ) -> list[RunResult]:
     """Every config, one run at a time, nothing stored (``run_local``: each run judged on its fixed
-    limits, ``jobs.run.run_job``); ``engines``: engines kept
-    between runs (``EnginePool``); ``on_result(config, result)`` as each run ends
-    (``jobs.record.JobRecord.record``)."""
+    limits, ``jobs.run.run_job``); ``engines``: engines kept between runs (``EnginePool``)."""
     job = JobSpec(matrix_name=matrix.name, matrix=matrix, engine=spec.kind, builds=[BuildSpec()],
                   configs=[c.name for c in configs] or None)
     outcome = run_local(mint_id("local", digits=6), job, spec, configs, prompts, out_dir, console,
-                        engines=engines,
-                        on_result=(lambda p, r, _f: on_result(p.config, r)) if on_result else None)
+                        engines=engines)
     return outcome.results
 
 
 def run_local(job_id: str, job: JobSpec, spec: EngineSpec, configs: list[Config], prompts,
               out_dir: Path, console: Console | None = None, *, engines: EnginePool | None = None,
               store: Store | None = None, results_dir: Path | None = None,
-              build: ReadyBuild | None = None, trigger: str = "cli",
-              on_result: Callable[[PlannedRun, RunResult, str | None], None] | None = None,
-              ) -> JobOutcome:
+              build: ReadyBuild | None = None, trigger: str = "cli") -> JobOutcome:
     """A job on this machine (``jobs.run.run_job`` on a local dispatcher of one slot), its
     ``configs`` planned and its ``prompts`` loaded already on ``spec`` (its one build made:
     ``build``, what the store records), with progress shown on ``console``; a matrix's reference
     servers (``References``) started as its runs need them, ``engines`` kept between runs. With a
-    ``store`` the job is recorded as it runs (the job's end is its caller's to write); without,
-    nothing is. Writes ``summary.json``, ``runs.json`` and ``samples.parquet`` to ``out_dir`` and
-    the logs to ``out_dir/logs``. An exception (Ctrl-C) stops the run going on, then is raised."""
+    ``store`` the job is recorded as it runs, and its end is written (``jobs.record.end_job``)
+    however it stops: done, failed naming the runs that could not be recorded (or every run, when
+    all errored), or cancelled when it stopped before its runs ended (Ctrl-C); the outcome's status
+    is the one written. Without a store nothing is. Writes ``summary.json``, ``runs.json`` and
+    ``samples.parquet`` to ``out_dir`` and the logs to ``out_dir/logs``. An exception (Ctrl-C)
+    stops the run going on, then is raised."""
     console = console or Console()
     matrix = job.matrix
     log_dir = out_dir / "logs"
@@ -131,13 +128,16 @@ def run_local(job_id: str, job: JobSpec, spec: EngineSpec, configs: list[Config]
             result.reference = references.describe(cfg.model)
             return result
 
+        left, failures = set(by_name), []  # what the job's end is written from
+
         def ended(planned: PlannedRun, result: RunResult, failure: str | None) -> None:
             cfg = planned.config
+            left.discard(cfg.name)
+            if failure is not None:
+                failures.append(failure)
             progress.update(bar(cfg), completed=len(cfg.scenarios),
                             description=f"  {cfg.name}: {result.verdict}")
             progress.advance(overall)
-            if on_result is not None:
-                on_result(planned, result, failure)
 
         dispatcher = LocalDispatcher(1, execute=execute)
         try:
@@ -147,6 +147,13 @@ def run_local(job_id: str, job: JobSpec, spec: EngineSpec, configs: list[Config]
                 configs=configs, trigger=trigger, per_model_errors=True, on_result=ended))
         finally:
             dispatcher.shutdown()  # after a Ctrl-C: its run stopped (the job cancels it)
+            if store is not None:
+                status = "cancelled" if left else "failed" if failures else "done"
+                error = "; ".join(failures) or None
+                written, _ = store.write(lambda s: end_job(s, job_id, status, error),
+                                         f"job {job_id}: its end")
+    if store is not None:
+        outcome.status = written or status  # failed when every run errored
     write_outputs(outcome.results, out_dir)
     return outcome
 

@@ -35,6 +35,7 @@ from evalsvc.engines.registry import engine_kind
 from evalsvc.engines.sglang_server import (
     QUIET_LOG_LEVELS,
     TREE_CORE_ENV,
+    host_tier_size,
     parse_defect_events,
     parse_server_info,
     parse_tree_core,
@@ -291,6 +292,7 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
         result.verdict, result.reason = "invalid", "; ".join(problems)
         log.warning("run %s invalid: %s", config.name, result.reason)
         return
+    host_tokens, host_states = host_tier_size(resolved)
     ctx = Context(client=client, reference=reference or client, prompts=prompts,
                   max_new_tokens=matrix.workload.max_new_tokens,
                   temperature=matrix.workload.temperature,
@@ -299,6 +301,8 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
                   track_interval=int(resolved.get("mamba_track_interval") or 256),
                   max_total_tokens=resolved.get("max_total_tokens")
                   or resolved.get("max_total_num_tokens"),
+                  host_tokens=host_tokens, host_states=host_states,
+                  device_states=resolved.get("max_mamba_cache_size"),
                   chunk_size=resolved.get("chunked_prefill_size"),
                   rid_prefix=f"{uuid.uuid4().hex[:8]}-", log_path=proc.log_path)
     for name in config.scenarios:

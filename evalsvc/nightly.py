@@ -136,14 +136,19 @@ def resolve(schedule: Schedule, builds_dir: Path) -> Target:
                   [BuildSpec(source=source, patches=ps) for ps in schedule.patch_sets])
 
 
-def newest_release(package: str) -> str:
+def releases(package: str) -> list[str]:
+    """A package's releases on the index, newest first (pip's listing)."""
     out = children.run([sys.executable, "-m", "pip", "index", "versions", package,
                         "--disable-pip-version-check"], capture_output=True, text=True)
-    m = re.search(rf"^{re.escape(package)} \(([^)]+)\)", out.stdout, flags=re.M)
+    m = re.search(r"^Available versions: (.+)$", out.stdout, flags=re.M)
     if out.returncode != 0 or m is None:
         raise NightlyError(f"PyPI: cannot list releases of {package} "
                            f"({(out.stderr or out.stdout).strip()[-200:]})")
-    return m.group(1)
+    return [v.strip() for v in m.group(1).split(",") if v.strip()]
+
+
+def newest_release(package: str) -> str:
+    return releases(package)[0]
 
 
 def evaluated(store: Store, key: str) -> bool:

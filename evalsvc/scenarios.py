@@ -85,6 +85,9 @@ class Context:
     seed: int
     track_interval: int = 256
     max_total_tokens: int | None = None
+    device_states: int | None = None  # the Mamba pool's size in states; None: not known
+    host_tokens: int | None = None  # the host tier's size in tokens; None: not known
+    host_states: int | None = None  # the host tier's size in Mamba states; None: not known
     chunk_size: int | None = None  # the server's chunked-prefill size; None: not chunked
     rid_prefix: str = ""  # makes each measured request's rid unique on its server
     log_path: Path | None = None  # the server's log, where it reports what a planted defect did
@@ -219,22 +222,37 @@ def branching(ctx: Context) -> list[Sample]:
                     prefixes=[len(shared)] * len(items))
 
 
+def _states(tokens: int, chunk: int | None) -> int:
+    """The Mamba states a prompt of ``tokens`` leaves in the radix cache: one per prefill chunk."""
+    return -(-tokens // chunk) if chunk else 1
+
+
 def host_tier(ctx: Context) -> list[Sample]:
     ctx.client.flush()
     seeded = [max(1, int(len(ids) * 0.6)) for _, ids in ctx.prompts]
     seed(ctx, [ids[:n] for (_, ids), n in zip(ctx.prompts, seeded, strict=True)])
-    # push the seeded prefixes out of device memory: other token sequences, about twice the pool;
-    # each round rotates the reversed prompts further, so that no two share a prefix (shared
-    # prefixes take no new memory, and few prompts would then press on nothing)
-    budget = 2 * (ctx.max_total_tokens or 4096)
-    pressure, used, k = [], 0, 0
-    while used < budget:
+    # push the seeded prefixes out of device memory, and not out of the host tier: other token
+    # sequences, until either of the device's pools has been filled past its size (tokens, or
+    # Mamba states: a prompt leaves one per prefill chunk) and no further than midway to what a
+    # write-through host tier (a copy of all that passed through the device) holds beside the
+    # seeded prefixes. Each round rotates the reversed prompts further, so that no two share a
+    # prefix (shared prefixes take no new memory, and few prompts would then press on nothing)
+    device = ctx.max_total_tokens or 4096
+    host = ctx.host_tokens or 2 * device
+    token_budget = max(device, (device + host - sum(seeded)) // 2)
+    state_budget = None
+    if ctx.device_states and ctx.host_states:
+        held = sum(_states(n, ctx.chunk_size) for n in seeded)
+        state_budget = max(1, (ctx.device_states + ctx.host_states + 1) // 2 - held)
+    pressure, used, states, k = [], 0, 0, 0
+    while used < token_budget and (state_budget is None or states < state_budget):
         _, ids = ctx.prompts[k % len(ctx.prompts)]
         rev = list(reversed(ids))
         turn = 7 * (k // len(ctx.prompts)) % len(rev)
         seq = rev[turn:] + rev[:turn]
         pressure.append(seq)
         used += len(seq)
+        states += _states(len(seq), ctx.chunk_size)
         k += 1
     for seq in pressure:  # one at a time, so eviction order follows recency
         ctx.client.generate(ctx.payload(seq, 0, max_new_tokens=0))

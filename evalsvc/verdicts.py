@@ -21,7 +21,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any
 
 import numpy as np
 from sqlalchemy import and_, or_, select
@@ -32,6 +31,7 @@ from evalsvc.judging import (
     METRICS,
     POOLED,
     History,
+    Judgement,
     KnownFailure,
     Series,
     judge_comparison,
@@ -50,6 +50,7 @@ from evalsvc.store.models import (
     VerdictRow,
     utcnow,
 )
+from evalsvc.store.reads import JudgedComparison, ScenarioComparison, VerdictRead
 from evalsvc.thresholds import Limits, ThresholdsFile, load_thresholds
 
 log = logging.getLogger("evalsvc.verdicts")
@@ -326,7 +327,7 @@ def last_good_run(session: Session, run: Run, scenario: str, metric: str) -> int
 
 def compare_builds(session: Session, baseline_build: int, contender_build: int,
                    metric: str = "kl_k3_mean", thresholds: ThresholdsFile | None = None
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[JudgedComparison]:
     """``queries.compare``'s rows (per config and scenario), each judged as one step of a series
     whose only earlier run is the baseline build's: both builds ran the same prompts and seeds, so
     the history test's paired per-sample tests apply (location, and tail where the thresholds ask
@@ -339,28 +340,34 @@ def compare_builds(session: Session, baseline_build: int, contender_build: int,
     from evalsvc.store import queries
 
     thresholds = thresholds or load_thresholds()
-    rows = queries.compare(session, baseline_build, contender_build, metric=metric)
-    for row in rows:
-        row.update(paired_verdict=None, paired_reason=None, paired_test=None, paired=None)
-        if metric not in METRICS or row["contender"] is None or row["baseline"] is None:
-            continue
-        base, cont = session.get(Run, row["baseline_run"]), session.get(Run, row["contender_run"])
-        scenario = row["scenario"]
-        per_run: dict[int, dict[str, float]] = {base.id: {}, cont.id: {}}
-        for run_id, sample_id, value in session.execute(
-                select(SampleRow.run_id, SampleRow.sample_id, getattr(SampleRow, metric))
-                .where(SampleRow.run_id.in_([base.id, cont.id]), SampleRow.scenario == scenario)):
-            if value is not None:
-                per_run[run_id][sample_id] = value
-        coverage = [v for v in session.scalars(select(Metric.value).where(
-            Metric.run_id.in_([base.id, cont.id]), Metric.scenario == scenario,
-            Metric.name == "hit_coverage")) if v is not None]
-        limits = stored_limits(cont, [scenario], thresholds)[scenario]
-        j = judge_comparison(scenario, metric, row["contender"], per_run[cont.id], base.id,
-                             row["baseline"], per_run[base.id], limits, thresholds.history,
-                             coverage=min(coverage) if coverage else None)
-        if j is not None:
-            row.update(paired_verdict=j.verdict, paired_reason=j.reason or None,
-                       paired_test=j.evidence.get("test"),
-                       paired={**asdict(j), "reason": j.reason or None})
+    rows = []
+    for row in queries.compare(session, baseline_build, contender_build, metric=metric):
+        j = None
+        if metric in METRICS and row.contender is not None and row.baseline is not None:
+            j = judge_paired(session, row, metric, thresholds)
+        rows.append(JudgedComparison(**dict(row)) if j is None else JudgedComparison(
+            **dict(row), paired_verdict=j.verdict, paired_reason=j.reason or None,
+            paired_test=j.evidence.get("test"),
+            paired=VerdictRead(**{**asdict(j), "reason": j.reason or None})))
     return rows
+
+
+def judge_paired(session: Session, row: ScenarioComparison, metric: str,
+                 thresholds: ThresholdsFile) -> Judgement | None:
+    """``compare_builds``' judgement of one row: the contender's value and samples against the
+    baseline run's as its series' only earlier run (None where the test has nothing to say)."""
+    base, cont = session.get(Run, row.baseline_run), session.get(Run, row.contender_run)
+    scenario = row.scenario
+    per_run: dict[int, dict[str, float]] = {base.id: {}, cont.id: {}}
+    for run_id, sample_id, value in session.execute(
+            select(SampleRow.run_id, SampleRow.sample_id, getattr(SampleRow, metric))
+            .where(SampleRow.run_id.in_([base.id, cont.id]), SampleRow.scenario == scenario)):
+        if value is not None:
+            per_run[run_id][sample_id] = value
+    coverage = [v for v in session.scalars(select(Metric.value).where(
+        Metric.run_id.in_([base.id, cont.id]), Metric.scenario == scenario,
+        Metric.name == "hit_coverage")) if v is not None]
+    limits = stored_limits(cont, [scenario], thresholds)[scenario]
+    return judge_comparison(scenario, metric, row.contender, per_run[cont.id], base.id,
+                            row.baseline, per_run[base.id], limits, thresholds.history,
+                            coverage=min(coverage) if coverage else None)

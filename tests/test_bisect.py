@@ -126,6 +126,40 @@ def test_the_steps_of_an_sglang_bisection_run_in_its_engine_environment(tmp_path
         store.close()
 
 
+def test_a_bisection_over_sglangs_releases_searches_the_releases_between(tmp_path,
+                                                                         monkeypatch):
+    """``repository: pypi:sglang``: the candidates are the index's releases after good up to bad,
+    oldest first, and each step builds its release."""
+    import evalsvc.bisect as bisect_module
+
+    monkeypatch.setattr(bisect_module, "releases",
+                        lambda package: ["0.5.23", "0.5.22", "0.5.21", "0.5.20.post1", "0.5.20"])
+    monkeypatch.setattr(engine_envs, "SGLANG_CPU_ENV", tmp_path / "no-sglang-cpu")
+    monkeypatch.setenv(sglang_env.ENV_DIR_VARIABLE, str(tmp_path / "no-sglang-envs"))
+    settings = Settings(data_dir=tmp_path / "data", database_url=f"sqlite:///{tmp_path / 'b.db'}",
+                        engine_python=FAKE_PYTHON)
+    store = Store(settings.resolved_database_url())
+    bisector = Bisector(store, JobService(settings, store, None))
+    config = expand(load_matrix("mamba-full"))[0].name
+    base = {"repository": "pypi:sglang", "good": "0.5.20", "bad": "0.5.22",
+            "matrix": "mamba-full", "config": config, "scenario": "prefill_hit"}
+    try:
+        for change, match in (({"good": "0.5.99"}, r"good: no release '0.5.99' of sglang"),
+                              ({"good": "0.5.22", "bad": "0.5.20"},
+                               r"good: release 0.5.22 is not older than bad 0.5.20")):
+            with pytest.raises(JobError, match=match):
+                bisector.submit(BisectCreate(**{**base, **change}), start=False, trusted=True)
+        bisect_id = bisector.submit(BisectCreate(**base), start=False, trusted=True)
+        with store.session() as s:
+            assert s.get(Bisection, bisect_id).candidates == ["0.5.20.post1", "0.5.21", "0.5.22"]
+            spec = dict(s.get(Bisection, bisect_id).spec)
+        job_id = bisector._submit_step(bisect_id, spec, "0.5.21")
+        with store.session() as s:
+            assert s.get(Job, job_id).spec["builds"][0]["source"] == "sglang==0.5.21"
+    finally:
+        store.close()
+
+
 @pytest.mark.slow
 def test_a_resumed_bisection_waits_for_the_step_it_had_submitted(tmp_path, bisector):
     """A restart in the middle of a step: the step's job is still queued, and the resumed

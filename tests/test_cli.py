@@ -127,6 +127,15 @@ def test_evalsvc_run_refuses_a_release_that_is_no_version_number_before_any_buil
     assert not (tmp_path / "o").exists() and not (tmp_path / "builds").exists()
 
 
+def test_evalsvc_run_refuses_to_track_what_it_does_not_store(tmp_path):
+    res = subprocess.run([*CLI, "run", "smoke", "--track", "--no-store",
+                          "--out", str(tmp_path / "o")], capture_output=True, text=True,
+                         timeout=120, env={**_env(), "EVALSVC_DATA_DIR": str(tmp_path)})
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "error: --track needs the store (drop --no-store)" in res.stdout
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_run_and_its_engine(tmp_path):
     """``evalsvc run`` stopped by SIGTERM (a scheduler's or a supervisor's stop) stops the engine

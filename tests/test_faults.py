@@ -153,7 +153,10 @@ def test_killed_service_resumes_and_records_each_run_once(service_factory, tmp_p
 def test_killed_engine_fails_its_run_only(service_factory, tmp_path):
     db = f"sqlite:///{tmp_path / 'engine.db'}"
     service = service_factory(db).start()
-    job_id = service.submit(job_body())
+    # a workload that keeps the engine busy for many seconds: with SMALL's, a loaded machine
+    # once let the run end its four scenarios before the test, polling, saw its engine answer
+    # (the row still running until the run was recorded), and the kill landed after the work
+    job_id = service.submit(job_body(workload={"num_prompts": 8, "max_new_tokens": 32}))
     run_id, pid = serving_engine(service, db, config=LONG)
     os.kill(pid, signal.SIGKILL)
 

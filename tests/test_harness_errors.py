@@ -9,6 +9,7 @@ python) that dies at start or mid-run, or answers NaN or malformed logprobs.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
@@ -520,6 +521,52 @@ def test_port_taken_only_at_the_first_attempt_runs_on_another(fake, tmp_path, mo
     pids = fake_pids(tmp_path)
     assert len(pids) == 2  # the attempt that could not bind, and the server that ran
     assert_gone(pids)
+
+
+@pytest.fixture()
+def answering_port() -> Iterator[tuple[int, list[str]]]:
+    """A port another HTTP server listens on, answering 200 to everything (as an engine of another
+    run would), with the paths it was asked for."""
+    asked: list[str] = []
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_POST = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], asked
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.mark.slow
+def test_a_port_another_server_answers_on_is_never_taken_for_the_engines(
+        fake, tmp_path, monkeypatch, answering_port):
+    """Another server bound the port between ``free_port`` and the engine's own bind, and answers
+    the health probe: the harness sees that the listening socket is not its engine's, stops the
+    engine, and runs on another port; the other server is asked nothing past the probe."""
+    port, asked = answering_port
+    ports = iter([port, harness.free_port()])
+    monkeypatch.setattr(harness, "free_port", lambda: next(ports))
+    r = run_judged(*fake, fake_spec("ok", tmp_path), PROMPTS, log_dir=tmp_path)
+    assert r.verdict == "pass", r.reason
+    assert next(ports, None) is None  # both ports were asked for
+    assert int(r.command[r.command.index("--port") + 1]) != port
+    assert set(asked) == {"/health_generate"}
+    assert_gone(fake_pids(tmp_path))
 
 
 # ---- the radix-tree core the engine really runs ----------------------------------------------------

@@ -1,7 +1,8 @@
-"""A job recorded as it runs outside the service (``jobs.record.JobRecord``, what ``evalsvc run``
-and the detection benchmark use): its runs planned first, each recorded and judged as it ends
-through the service's own ``record_result``, and its end; and a run judged against the limits of
-its job's engine (``judging.config_limits``), as they are stored when it is planned."""
+"""A job recorded as it runs outside the service, in the steps ``evalsvc run`` takes
+(``tests.recorded.JobRecord``, on results made by hand): its runs planned first, each recorded and
+judged as it ends through the service's own ``record_result``, and its end; and a run judged
+against the limits of its job's engine (``judging.config_limits``), as they are stored when it is
+planned."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from evalsvc import judging
-from evalsvc.jobs.record import JobRecord, end_job
+from evalsvc.jobs.record import end_job
 from evalsvc.matrix import Config, load_matrix
 from evalsvc.store import queries
 from evalsvc.store.db import Store
@@ -19,6 +20,7 @@ from evalsvc.store.models import Job, Run, VerdictRow
 from evalsvc.store.record import BuildRef, ensure_job
 from evalsvc.types import RunResult, ScenarioResult
 from evalsvc.verdicts import triage_regression
+from tests.recorded import JobRecord
 from tests.store.factories import fingerprint_of, job_spec, run_result
 
 pytestmark = pytest.mark.usefixtures("engines")
@@ -176,7 +178,7 @@ def test_a_job_whose_only_run_errored_is_failed_naming_it(db_url, engines, tmp_p
         assert job.status == "failed" and job.finished_at is not None
         assert job.error == f"every run errored (1 of 1): run {run.id} (m-eb): {why}"
         assert queries.errored_runs(s, ["cli-d"]) == {"cli-d": 1}
-        assert queries.job_detail(s, "cli-d")["runs_errored"] == 1
+        assert queries.job_detail(s, "cli-d").runs_errored == 1
     store.close()
 
 
@@ -193,9 +195,9 @@ def test_a_job_with_some_errored_runs_is_done_counting_them(db_url, engines, tmp
         job = s.get(Job, "cli-e")
         assert (job.status, job.error) == ("done", None)
         assert queries.errored_runs(s, ["cli-e", "no-such-job"]) == {"cli-e": 2}
-        assert queries.job_detail(s, "cli-e")["runs_errored"] == 2
+        assert queries.job_detail(s, "cli-e").runs_errored == 2
         [summary] = queries.job_summaries(s)
-        assert summary["runs_errored"] == 2 and summary["status"] == "done"
+        assert summary.runs_errored == 2 and summary.status == "done"
     store.close()
 
 

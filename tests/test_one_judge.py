@@ -24,13 +24,14 @@ from evalsvc.app import create_app
 from evalsvc.cli import run_outcome
 from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs import run as job_run
-from evalsvc.jobs.record import JobRecord, end_job, plan_build_runs, record_result
+from evalsvc.jobs.record import end_job, plan_build_runs, record_result
 from evalsvc.matrix import Config, load_matrix
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Job, Run, ScenarioRow, VerdictRow
 from evalsvc.store.record import BuildRef, ensure_job
 from evalsvc.types import RunResult
+from tests.recorded import JobRecord
 from tests.store.factories import build_ref, fingerprint_of, run_result
 
 PACKAGE = Path(evalsvc.__file__).parent
@@ -61,7 +62,7 @@ def test_only_judging_judges_metrics_and_one_run_judge_is_called_where_runs_end(
     assert set(calls("judge_metric")) == {"judging.py"}
     assert set(calls("judge_scenario")) == {"judging.py"}
     assert definitions("judge_run") == ["judging.py"]
-    # recorded (record_result, and JobRecord's run that could not be), printed without a store
+    # recorded (record_result), printed without a store or for a run that could not be recorded
     # (jobs/run.py's run_job), and a comparison (judge_comparison): the one judge each time
     assert set(calls("judge_run")) == {"judging.py", "jobs/record.py", "jobs/run.py"}
     assert calls("judge_run")["judging.py"] == 1  # judge_comparison's
@@ -101,7 +102,7 @@ def config(name: str) -> Config:
 
 @pytest.mark.parametrize("patch", [False, True])
 def test_the_recorded_verdicts_are_the_judges(db_url, engines, tmp_path, monkeypatch, patch):
-    """Recorded as ``evalsvc run`` records it (``JobRecord``): the stored run, scenario and
+    """Recorded in ``evalsvc run``'s steps (``tests.recorded.JobRecord``): the stored run, scenario and
     metric verdicts, and the verdicts handed back to print and exit with, are the judge's."""
     if patch:
         monkeypatch.setattr(judging, "judge_run", patched_judge)

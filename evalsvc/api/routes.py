@@ -18,6 +18,16 @@ from evalsvc.jobs.spec import job_spec, stored_spec
 from evalsvc.matrix import MatrixError, expand, load_matrix, matrix_files, resolve_matrix_path
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Job, Regression
+from evalsvc.store.reads import (
+    AlertRead,
+    BisectionRead,
+    CommitSummary,
+    GoldenRunRead,
+    JudgedComparison,
+    MetricPoint,
+    RegressionRead,
+    RunDetail,
+)
 from evalsvc.verdicts import compare_builds
 from evalsvc.web.deps import (
     ServicesDep,
@@ -66,6 +76,23 @@ class JobDetail(JobPublic):
     comparison: list[dict[str, Any]] | None = None
 
 
+class BuildResults(BaseModel):
+    """A build's runs (the commit's ref and the build's patch set)."""
+
+    commit: str
+    patch_set: str
+    runs: list[RunDetail]
+
+
+class Comparison(BaseModel):
+    """Two builds compared per config and scenario on a metric (``verdicts.compare_builds``)."""
+
+    baseline: str
+    contender: str
+    metric: str
+    rows: list[JudgedComparison]
+
+
 class GoldenCreate(BaseModel):
     run_id: int = Field(..., ge=1, le=2**31 - 1)
     label: Annotated[str | None, StorableText] = Field(None, max_length=200)
@@ -108,18 +135,19 @@ def read_job(job_id: JobId, session: SessionDep, shown: ShownDep) -> JobDetail:
     job = queries.job_detail(session, job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {job_id}")
-    job_as_seen(job, shown)
-    runs = [run_as_seen(r, shown) for r in job.pop("runs")]
-    builds = list(dict.fromkeys(r["build_id"] for r in runs))
+    job = job_as_seen(job, shown)
+    runs = [run_as_seen(r, shown) for r in job.runs]
+    builds = list(dict.fromkeys(r.build_id for r in runs))
     comparison = None
-    if len(builds) == 2 and job["status"] == "done":  # judged when it ended (jobs.comparison)
+    if len(builds) == 2 and job.status == "done":  # judged when it ended (jobs.comparison)
         comparison = session.get(Job, job_id).comparison
         if comparison is None:  # a job that ended before migration 0009: judged as it is read
-            comparison = compare_builds(session, builds[0], builds[1])
-    spec = stored_spec(job["spec"])
-    return JobDetail(**job, matrix=spec.matrix_name if spec is not None else "",
-                     runs=[RunProgress(**r) for r in runs],
-                     progress=dict(Counter(r["status"] for r in runs)), comparison=comparison)
+            comparison = [r.model_dump() for r in compare_builds(session, builds[0], builds[1])]
+    spec = stored_spec(job.spec)
+    return JobDetail(**job.model_dump(exclude={"runs"}),
+                     matrix=spec.matrix_name if spec is not None else "",
+                     runs=[RunProgress.model_validate(r, from_attributes=True) for r in runs],
+                     progress=dict(Counter(r.status for r in runs)), comparison=comparison)
 
 
 @router.post("/jobs/{job_id}/cancel", tags=["jobs"])
@@ -134,35 +162,29 @@ def cancel_job(job_id: JobId, services: ServicesDep, user: WriteUserDep) -> dict
 @router.get("/commits", tags=["results"])
 def read_commits(session: SessionDep, branch: Annotated[str | None, Query(max_length=255)] = None,
                  limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                 offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> list[dict[str, Any]]:
+                 offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> list[CommitSummary]:
     """Commits, newest first, with the verdict counts of their configs' latest runs, per build
     (patch set) and in all."""
-    out = queries.commit_summaries(session, branch=branch, limit=limit, offset=offset)
-    for c in out:
-        total: dict[str, int] = {}
-        for counts in c["builds"].values():
-            for verdict, n in counts.items():
-                total[verdict] = total.get(verdict, 0) + n
-        c["verdicts"] = total
-    return out
+    return queries.commit_summaries(session, branch=branch, limit=limit, offset=offset)
 
 
 @router.get("/commits/{ref:path}/results", tags=["results"])
 def read_commit_results(ref: Annotated[str, Path(max_length=300)], session: SessionDep,
                         shown: ShownDep,
-                        patch_set: Annotated[str, Query(max_length=500)] = "") -> dict[str, Any]:
+                        patch_set: Annotated[str, Query(max_length=500)] = "") -> BuildResults:
     """A commit's (build's) runs with their verdicts and scenario metrics."""
     build = queries.find_build(session, ref, patch_set)
     if build is None:
         raise HTTPException(status_code=404, detail=f"no build of {ref!r} with patch set "
                                                     f"{patch_set!r}")
     runs = queries.build_run_ids(session, build.id)
-    return {"commit": ref, "patch_set": patch_set,
-            "runs": [run_as_seen(queries.run_detail(session, rid), shown) for rid in runs]}
+    return BuildResults(commit=ref, patch_set=patch_set,
+                        runs=[run_as_seen(queries.run_detail(session, rid), shown)
+                              for rid in runs])
 
 
 @router.get("/runs/{run_id}", tags=["results"])
-def read_run(run_id: RunId, session: SessionDep, shown: ShownDep) -> dict[str, Any]:
+def read_run(run_id: RunId, session: SessionDep, shown: ShownDep) -> RunDetail:
     """One run: arguments asked for and resolved, reference, command, scenarios and metrics."""
     detail = queries.run_detail(session, run_id)
     if detail is None:
@@ -177,7 +199,7 @@ def read_history(session: SessionDep,
                  metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean",
                  scenario: Annotated[str | None, Query(max_length=40)] = None,
                  patch_set: Annotated[str | None, Query(max_length=500)] = "",
-                 limit: Annotated[int, Query(ge=1, le=100000)] = 5000) -> list[dict[str, Any]]:
+                 limit: Annotated[int, Query(ge=1, le=100000)] = 5000) -> list[MetricPoint]:
     """A metric's history for a fingerprint or a config name, oldest commit first."""
     if fingerprint is None and config is None:
         raise HTTPException(status_code=422, detail="give a fingerprint or a config")
@@ -191,7 +213,7 @@ def read_compare(session: SessionDep,
                  contender: Annotated[str, Query(max_length=300, description="commit ref")],
                  baseline_patches: Annotated[str, Query(max_length=500)] = "",
                  contender_patches: Annotated[str, Query(max_length=500)] = "",
-                 metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean") -> dict[str, Any]:
+                 metric: Annotated[str, Query(max_length=80)] = "kl_k3_mean") -> Comparison:
     """Baseline vs contender per config and scenario: values, delta, interval of the delta."""
     sides = {}
     for name, ref, patches in (("baseline", baseline, baseline_patches),
@@ -202,7 +224,7 @@ def read_compare(session: SessionDep,
                                                         f"patch set {patches!r}")
         sides[name] = build.id
     rows = compare_builds(session, sides["baseline"], sides["contender"], metric=metric)
-    return {"baseline": baseline, "contender": contender, "metric": metric, "rows": rows}
+    return Comparison(baseline=baseline, contender=contender, metric=metric, rows=rows)
 
 
 @router.get("/matrices", tags=["matrices"])
@@ -254,7 +276,7 @@ def read_models(services: ServicesDep) -> list[dict[str, Any]]:
 
 
 @router.get("/golden", tags=["results"])
-def read_golden(session: SessionDep) -> list[dict[str, Any]]:
+def read_golden(session: SessionDep) -> list[GoldenRunRead]:
     """The golden run of each fingerprint that has one."""
     return queries.golden_runs(session)
 
@@ -272,22 +294,22 @@ def create_golden(body: GoldenCreate, session: SessionDep) -> dict[str, Any]:
 @router.get("/regressions", tags=["verdicts"])
 def read_regressions(session: SessionDep,
                      state: Annotated[Literal["open", "resolved"] | None, Query()] = None
-                     ) -> list[dict[str, Any]]:
+                     ) -> list[RegressionRead]:
     """Regressions (open first), each with the verdict and evidence of the run that opened it."""
     return queries.regressions(session, state)
 
 
 @router.get("/regressions/{regression_id}", tags=["verdicts"])
-def read_regression(regression_id: RegressionId, session: SessionDep) -> dict[str, Any]:
+def read_regression(regression_id: RegressionId, session: SessionDep) -> RegressionRead:
     r = session.get(Regression, regression_id)
     if r is None:
         raise HTTPException(status_code=404, detail=f"no regression {regression_id}")
-    return queries.regression_dict(session, r)
+    return queries.regression_read(session, r)
 
 
 @router.patch("/regressions/{regression_id}", tags=["verdicts"])
 def triage_regression(regression_id: RegressionId, body: TriageUpdate, session: SessionDep,
-                      user: WriteUserDep) -> dict[str, Any]:
+                      user: WriteUserDep) -> RegressionRead:
     """Triage a regression: acknowledged, expected (a known failure) or fixed, with a comment and
     a link (an http(s) URL)."""
     try:
@@ -295,18 +317,18 @@ def triage_regression(regression_id: RegressionId, body: TriageUpdate, session: 
                                       actor=actor(user, "api"), link=body.link)
     except KeyError:
         raise HTTPException(status_code=404, detail=f"no regression {regression_id}") from None
-    return queries.regression_dict(session, r)
+    return queries.regression_read(session, r)
 
 
 @router.get("/alerts", tags=["verdicts"])
-def read_alerts(session: SessionDep) -> list[dict[str, Any]]:
+def read_alerts(session: SessionDep) -> list[AlertRead]:
     """The alerts made (newest first), delivered or not."""
     return queries.alerts(session)
 
 
 @router.post("/bisections", status_code=201, tags=["bisections"])
 def create_bisection(body: BisectCreate, services: ServicesDep, user: WriteUserDep
-                     ) -> dict[str, Any]:
+                     ) -> BisectionRead:
     """Find the first bad commit between a good and a bad one of a git source, running only the
     failing config on midpoints (give the fields, or a regression_id to take them from)."""
     try:
@@ -314,20 +336,20 @@ def create_bisection(body: BisectCreate, services: ServicesDep, user: WriteUserD
     except JobError as exc:
         raise HTTPException(status_code=422, detail=str(exc)) from None
     with services.store.session() as s:
-        return queries.bisection_dict(s.get(Bisection, bisect_id))
+        return queries.bisection_read(s.get(Bisection, bisect_id))
 
 
 @router.get("/bisections", tags=["bisections"])
-def read_bisections(session: SessionDep) -> list[dict[str, Any]]:
+def read_bisections(session: SessionDep) -> list[BisectionRead]:
     return queries.bisections(session)
 
 
 @router.get("/bisections/{bisect_id}", tags=["bisections"])
-def read_bisection(bisect_id: JobId, session: SessionDep) -> dict[str, Any]:
+def read_bisection(bisect_id: JobId, session: SessionDep) -> BisectionRead:
     b = session.get(Bisection, bisect_id)
     if b is None:
         raise HTTPException(status_code=404, detail=f"no bisection {bisect_id}")
-    return queries.bisection_dict(b)
+    return queries.bisection_read(b)
 
 
 @router.get("/audit", tags=["audit"])

@@ -28,19 +28,32 @@ from evalsvc import model_catalog
 from evalsvc.builds import engine_envs
 from evalsvc.builds.embedded import EMBEDDED_REPOSITORY
 from evalsvc.dashboard.samples import extend_tokens, read_sample, sample_tokens, top_candidates
+from evalsvc.jobs.spec import stored_spec
 from evalsvc.judging import LABELS, METRICS
 from evalsvc.matrix import SCENARIOS, MatrixError, expand, load_matrix, matrix_names
 from evalsvc.paths import package_dir
 from evalsvc.settings import Settings
 from evalsvc.store import audit, queries
 from evalsvc.store.models import Bisection, Regression, Run
+from evalsvc.store.reads import (
+    BisectionBrief,
+    BisectionRead,
+    JobBuild,
+    KnownFailureRef,
+    MetricValue,
+    RegressionRead,
+    RunDetail,
+    SampleStats,
+    TrendWindow,
+    VerdictRead,
+)
 from evalsvc.thresholds import load_thresholds
 from evalsvc.types import FINISHED_JOB_STATUSES
 from evalsvc.verdicts import compare_builds, stored_limits
 from evalsvc.web.auth import csrf_token
 from evalsvc.web.deps import SessionDep, ShownDep, current_user, require_read
 from evalsvc.web.params import JobId, RegressionId, RunId
-from evalsvc.web.redact import job_as_seen, run_as_seen
+from evalsvc.web.redact import build_as_seen, job_as_seen, run_as_seen
 
 # the dashboard's templates and static files: package data of evalsvc.dashboard
 DASHBOARDS_DIR = package_dir("dashboard")
@@ -57,7 +70,7 @@ LOG_TAIL_BYTES = 8_000
 PAGE_SIZE = 100
 # compare verdicts, worst first: the order of the compare page
 COMPARE_ORDER = ("regression", "fail", "inconclusive", "expected", "improvement", "pass")
-REGRESSIONS_SHOWN = 200  # regression_dict reads each one's opening verdict: one query each
+REGRESSIONS_SHOWN = 200  # regression_read reads each one's opening verdict: one query each
 TRIAGE = ("acknowledged", "expected", "fixed")
 
 Text = Annotated[str | None, Query(max_length=300)]
@@ -145,7 +158,7 @@ def kl_threshold(session: Session, run_id: int) -> float | None:
 
 # ---- overview ------------------------------------------------------------------------------
 
-def trend_charts(window: dict[str, list[dict[str, Any]]], values: Iterable[tuple],
+def trend_charts(window: TrendWindow, values: Iterable[tuple],
                  failures: set[tuple[int, str]], metric: str,
                  threshold: Callable[[int], float | None]) -> dict[str, Any]:
     """Chart data: the window's commits (time, label) once, and per fingerprint its series per
@@ -153,23 +166,23 @@ def trend_charts(window: dict[str, list[dict[str, Any]]], values: Iterable[tuple
     scenario verdict is fail (the regression markers), and for KL the fixed limit of the
     fingerprint (``threshold(run_id)`` of its first run). ``values``: (run_id, scenario, metric,
     value) rows of the window's runs."""
-    index = {c["id"]: i for i, c in enumerate(window["commits"])}
-    runs = {r["id"]: r for r in window["runs"]}
+    index = {c.id: i for i, c in enumerate(window.commits)}
+    runs = {r.id: r for r in window.runs}
     points: dict[tuple[str, str, str, str], list[tuple]] = {}
     for run_id, scenario, name, value in values:
         if value is None or not math.isfinite(value):
             continue
         run = runs[run_id]
-        points.setdefault((run["fingerprint"], name, scenario, run["patch_set"]), []).append(
-            (index[run["commit_id"]], run_id, value, (run_id, scenario) in failures))
+        points.setdefault((run.fingerprint, name, scenario, run.patch_set), []).append(
+            (index[run.commit_id], run_id, value, (run_id, scenario) in failures))
     charts: dict[str, dict[str, Any]] = {}
     for (fingerprint, name, scenario, patch_set), series in sorted(points.items()):
         series.sort()
         if fingerprint not in charts:
             run = runs[series[0][1]]
             charts[fingerprint] = {
-                "fingerprint": fingerprint, "config": run["config"], "model": run["model"],
-                "threshold": threshold(run["id"]) if metric == "kl_k3_mean" else None,
+                "fingerprint": fingerprint, "config": run.config, "model": run.model,
+                "threshold": threshold(run.id) if metric == "kl_k3_mean" else None,
                 "series": []}
         chart = charts[fingerprint]
         chart["series"].append({
@@ -177,8 +190,7 @@ def trend_charts(window: dict[str, list[dict[str, Any]]], values: Iterable[tuple
             "c": [p[0] for p in series], "run": [p[1] for p in series],
             "y": [float(f"{p[2]:.4g}") for p in series],
             "fail": [i for i, p in enumerate(series) if p[3]]})
-    return {"commits": [[c["committed_at"].isoformat(), short_ref(c["ref"])]
-                        for c in window["commits"]],
+    return {"commits": [[c.committed_at.isoformat(), short_ref(c.ref)] for c in window.commits],
             "charts": sorted(charts.values(), key=lambda c: (c["config"], c["fingerprint"])),
             "metric": metric, "log": metric in LOG_METRICS}
 
@@ -197,12 +209,12 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
         return problem(request, 422, f"scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
     latest = queries.latest_per_config(session, matrix=matrix, branch=branch)
     if model is not None:
-        models = queries.run_models(session, [r["run_id"] for r in latest])
-        latest = [r for r in latest if models[r["run_id"]] == model]
+        models = queries.run_models(session, [r.run_id for r in latest])
+        latest = [r for r in latest if models[r.run_id] == model]
     shown = [scenario] if scenario else [s for s in SCENARIOS
-                                         if any(s in r["scenarios"] for r in latest)]
+                                         if any(s in r.scenarios for r in latest)]
     window = queries.trend_window(session, branch=branch, commits=commits)
-    commit_ids = [c["id"] for c in window["commits"]]
+    commit_ids = [c.id for c in window.commits]
     values = queries.commit_metric_values(session, commit_ids,
                                           list(dict.fromkeys([metric, "accept_length"])),
                                           [scenario] if scenario else list(SCENARIOS),
@@ -212,11 +224,11 @@ def read_overview_page(request: Request, session: SessionDep, matrix: Text = Non
               "runs_url": runs_url(request)}
     filters = {"matrix": matrix, "model": model, "scenario": scenario, "branch": branch,
                "metric": metric, "commits": commits}
-    choices = {"matrices": sorted({r["matrix"] for r in window["runs"]}),
-               "models": sorted({r["model"] for r in window["runs"]}),
+    choices = {"matrices": sorted({r.matrix for r in window.runs}),
+               "models": sorted({r.model for r in window.runs}),
                "branches": queries.branches(session), "scenarios": SCENARIOS,
                "metrics": TREND_METRICS}
-    known = queries.known_failures_of(session, [r["run_id"] for r in latest])
+    known = queries.known_failures_of(session, [r.run_id for r in latest])
     return page(request, "overview.html", title="Overview", latest=latest, scenarios=shown,
                 known=known, trends=trends, filters=filters, choices=choices,
                 open_regressions=queries.open_regression_counts(session))
@@ -232,12 +244,13 @@ def read_commits_page(request: Request, session: SessionDep, branch: Text = None
     branch = _blank(branch)
     commits = queries.commit_summaries(session, branch=branch, limit=PAGE_SIZE + 1,
                                        offset=(page_number - 1) * PAGE_SIZE)
-    for newer, older in pairwise(commits):  # "compare with previous" (one past the page too)
-        newer["previous"] = older["ref"]
+    # each one's "compare with previous" (one past the page too)
+    previous = {newer.ref: older.ref for newer, older in pairwise(commits)}
     more = len(commits) > PAGE_SIZE
     commits = commits[:PAGE_SIZE]
-    return page(request, "commits.html", title="Commits", commits=commits, branch=branch,
-                page_number=page_number, more=more, branches=queries.branches(session))
+    return page(request, "commits.html", title="Commits", commits=commits, previous=previous,
+                branch=branch, page_number=page_number, more=more,
+                branches=queries.branches(session))
 
 
 @router.get("/jobs")
@@ -391,73 +404,91 @@ def reason_metric(reason: str | None) -> str | None:
     return min(found)[1] if found else None
 
 
-def deciding_verdict(verdict: str | None, reason: str | None, judged: list[dict[str, Any]]
-                     ) -> tuple[str | None, dict[str, Any] | None]:
+def deciding_verdict(verdict: str | None, reason: str | None, judged: list[VerdictRead]
+                     ) -> tuple[str | None, VerdictRead | None]:
     """The metric that decided a scenario's verdict, and its stored verdict (``judged``: the
-    scenario's metric verdicts, ``queries.verdict_dict``) where there is one. A fail is decided by
+    scenario's metric verdicts, ``queries.metric_verdicts_of``'s) where there is one. A fail is decided by
     the first of its metrics, in the order ``judging`` takes them, that regressed (the generated
     tokens' KL, the extend's KL, acceptance), or else by the metric its reason names; a known
     failure (expected) by the metric it is known for; an inconclusive scenario by its hit
     coverage; a pass (or an error) by none."""
     if verdict == "fail":
-        regressed = {v["metric"]: v for v in judged if v["verdict"] == "regression"}
+        regressed = {v.metric: v for v in judged if v.verdict == "regression"}
         for metric in METRICS:
             if metric in regressed:
                 return metric, regressed[metric]
         return reason_metric(reason), None
     if verdict == "expected":  # a known failure: the metric the known regression holds
-        known = next((v for v in judged if v["verdict"] == "expected"), None)
-        return (known["metric"], known) if known is not None else (reason_metric(reason), None)
+        known = next((v for v in judged if v.verdict == "expected"), None)
+        return (known.metric, known) if known is not None else (reason_metric(reason), None)
     if verdict == "inconclusive":
-        coverage = next((v for v in judged if v["method"] == "coverage"), None)
+        coverage = next((v for v in judged if v.method == "coverage"), None)
         metric = "hit_coverage" if coverage is not None else reason_metric(reason)
         return metric, coverage
     return None, None
 
 
-def cell_lines(metrics: dict[str, dict[str, Any]], decided: str | None) -> list[dict[str, Any]]:
+NOT_MEASURED = MetricValue(value=None, ci_low=None, ci_high=None, count=None)
+
+
+def cell_lines(metrics: dict[str, MetricValue], decided: str | None) -> list[dict[str, Any]]:
     """A matrix cell's figures: the deciding metric first (``decided``), then the generated
     tokens' KL, hit coverage and acceptance length where they were measured."""
     shown = [decided] if decided in CELL_METRICS else []
     shown += [m for m in ("kl_k3_mean", "hit_coverage", "accept_length")
               if m != decided and (m != "accept_length" or
-                                   metrics.get(m, {}).get("value") is not None)]
+                                   metrics.get(m, NOT_MEASURED).value is not None)]
     lines = []
     for name in shown:
         label, title = CELL_METRICS[name]
-        value = metrics.get(name, {})
+        value = metrics.get(name, NOT_MEASURED)
         lines.append({"metric": name, "label": label, "title": title,
-                      "value": value.get("value"), "ci_low": value.get("ci_low"),
-                      "ci_high": value.get("ci_high"), "decided": name == decided})
+                      "value": value.value, "ci_low": value.ci_low,
+                      "ci_high": value.ci_high, "decided": name == decided})
     return lines
 
 
-def known_failure(verdicts: list[dict[str, Any]], scenario: str) -> dict[str, Any] | None:
+def known_failure(verdicts: list[VerdictRead], scenario: str) -> KnownFailureRef | None:
     """The known failure a scenario fails as: the evidence of its first ``expected`` verdict
     (regression id, link), None when it has none."""
-    return next((v["evidence"]["known_failure"] for v in verdicts
-                 if v["scenario"] == scenario and v["verdict"] == "expected"
-                 and "known_failure" in (v["evidence"] or {})), None)
+    return next((KnownFailureRef.model_validate(v.evidence["known_failure"]) for v in verdicts
+                 if v.scenario == scenario and v.verdict == "expected"
+                 and "known_failure" in (v.evidence or {})), None)
 
 
-def matrix_table(runs: list[dict[str, Any]], builds: list[dict[str, Any]]) -> dict[str, Any]:
+class BuildView(JobBuild):
+    """A job's build as its page shows it: with its label (``build_label``)."""
+
+    label: str
+
+
+class RunView(RunDetail):
+    """A job's run as its page shows it: its arguments asked for beside those resolved
+    (``args_table``), its engine log's tail and its samples."""
+
+    args: list[dict[str, Any]]
+    log: str | None
+    samples: list[SampleStats]
+
+
+def matrix_table(runs: list[RunView], builds: list[BuildView]) -> dict[str, Any]:
     """Configs (x builds) by scenarios: per cell the run, verdict (its reason on hover; the known
     failure an expected one is), the metric that decided it (``deciding_verdict``: the extend's
     KL where that failed), then the generated tokens' KL mean with its interval, hit coverage and
     acceptance length."""
-    labels = {(b["commit"], b["patch_set"]): b["label"] for b in builds}
-    scenarios = [s for s in SCENARIOS if any(sc["scenario"] == s for r in runs
-                                             for sc in r["scenarios"])]
+    labels = {(b.commit, b.patch_set): b.label for b in builds}
+    scenarios = [s for s in SCENARIOS if any(sc.scenario == s for r in runs
+                                             for sc in r.scenarios)]
     rows = []
     for r in runs:
         cells = {}
-        for sc in r["scenarios"]:
-            judged = [v for v in r["verdicts"] if v["scenario"] == sc["scenario"]]
-            decided, _ = deciding_verdict(sc["verdict"], sc["reason"], judged)
-            cells[sc["scenario"]] = {"verdict": sc["verdict"], "reason": sc["reason"],
-                                     "decided": decided, "lines": cell_lines(sc["metrics"], decided),
-                                     "known": known_failure(r["verdicts"], sc["scenario"])}
-        rows.append({"run": r, "build": labels[(r["commit"], r["patch_set"])], "cells": cells})
+        for sc in r.scenarios:
+            judged = [v for v in r.verdicts if v.scenario == sc.scenario]
+            decided, _ = deciding_verdict(sc.verdict, sc.reason, judged)
+            cells[sc.scenario] = {"verdict": sc.verdict, "reason": sc.reason,
+                                  "decided": decided, "lines": cell_lines(sc.metrics, decided),
+                                  "known": known_failure(r.verdicts, sc.scenario)}
+        rows.append({"run": r, "build": labels[(r.commit, r.patch_set)], "cells": cells})
     return {"scenarios": scenarios, "rows": rows}
 
 
@@ -471,8 +502,8 @@ def args_table(requested: dict[str, Any] | None, resolved: dict[str, Any] | None
             for key, value in (requested or {}).items()]
 
 
-def build_label(build: dict[str, Any]) -> str:
-    return short_ref(build["commit"]) + (f" + {build['patch_set']}" if build["patch_set"] else "")
+def build_label(build: JobBuild) -> str:
+    return short_ref(build.commit) + (f" + {build.patch_set}" if build.patch_set else "")
 
 
 @router.get("/jobs/{job_id}")
@@ -483,26 +514,25 @@ def read_job_page(job_id: JobId, request: Request, session: SessionDep,
     job = queries.job_detail(session, job_id)
     if job is None:
         return problem(request, 404, f"no job {job_id}")
-    job_as_seen(job, shown)
-    builds = queries.job_builds(session, job_id)
-    for b in builds:
-        b["label"] = build_label(b)
+    job = job_as_seen(job, shown)
+    builds = [build_as_seen(BuildView(**dict(b), label=build_label(b)), shown)
+              for b in queries.job_builds(session, job_id)]
     runs = queries.job_runs(session, job_id)
-    samples = queries.run_samples(session, [r["id"] for r in runs])
-    for r in runs:
-        r["args"] = args_table(r["requested_args"], r["resolved_args"])
-        r["log"] = log_tail(r["log_path"])
-        r["samples"] = samples[r["id"]]
-        run_as_seen(r, shown)
+    samples = queries.run_samples(session, [r.id for r in runs])
+    # the log read from where it is, before its path is shown as the reader may see it
+    runs = [run_as_seen(RunView(**dict(r), args=args_table(r.requested_args, r.resolved_args),
+                                log=log_tail(r.log_path), samples=samples[r.id]), shown)
+            for r in runs]
     progress: dict[str, int] = {}
     for r in runs:
-        progress[r["status"]] = progress.get(r["status"], 0) + 1
+        progress[r.status] = progress.get(r.status, 0) + 1
     compare_link = None
     if len(builds) == 2:
         compare_link = request.url_for("read_compare_page").include_query_params(
-            baseline=builds[0]["commit"], contender=builds[1]["commit"],
-            baseline_patches=builds[0]["patch_set"], contender_patches=builds[1]["patch_set"])
-    return page(request, "job.html", title=f"Job {job_id}", job=job, builds=builds, runs=runs,
+            baseline=builds[0].commit, contender=builds[1].commit,
+            baseline_patches=builds[0].patch_set, contender_patches=builds[1].patch_set)
+    return page(request, "job.html", title=f"Job {job_id}", job=job, spec=stored_spec(job.spec),
+                builds=builds, runs=runs,
                 table=matrix_table(runs, builds), progress=progress, finished=FINISHED,
                 compare_link=compare_link, history=audit.history(session, [("job", job_id)]))
 
@@ -535,23 +565,26 @@ def compare_verdict(baseline: str | None, contender: str | None) -> str:
 
 
 def compare_decision(row: dict[str, Any], results: dict[tuple[int, str], tuple[str, str | None]],
-                     judged: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
+                     judged: dict[tuple[int, str], list[VerdictRead]]) -> dict[str, Any]:
     """The test that decided a comparison row's verdict, with its figures. ``source``: ``paired``
     (the two builds' runs compared sample by sample, ``compare_builds``: a regression the runs' own
     verdicts do not show, or, for a pass, the test that found none), ``contender`` or ``baseline``
     (that run's own verdict of the scenario: a fail or an inconclusive decides), or ``both`` (a
     pass with no paired test of the metric). ``verdict``: the deciding metric verdict
-    (``queries.verdict_dict``'s keys; None where none was stored: then ``reason`` says why),
+    (a ``VerdictRead``; None where none was stored: then ``reason`` says why),
     ``metric`` and ``scenario_verdict``. ``results`` and ``judged``: the runs' scenario verdicts
-    with their reasons and their metric verdicts, by (run id, scenario)."""
-    paired, verdict = row["paired"], row["verdict"]
+    with their reasons and their metric verdicts, by (run id, scenario). ``row``: the page's row,
+    a ``JudgedComparison``'s fields with both sides' scenario verdicts, its own verdict and the
+    metric compared."""
+    paired: VerdictRead | None = row["paired"]
+    verdict = row["verdict"]
     own = compare_verdict(row["baseline_verdict"], row["contender_verdict"])
-    tested = paired is not None and paired["method"] == "history"
+    tested = paired is not None and paired.method == "history"
     if (verdict == "regression" and own != "regression") or (verdict == "pass" and tested):
-        return {"source": "paired", "metric": paired["metric"], "verdict": paired,
-                "reason": paired["reason"], "scenario_verdict": None}
+        return {"source": "paired", "metric": paired.metric, "verdict": paired,
+                "reason": paired.reason, "scenario_verdict": None}
     if verdict == "pass":  # no paired test: of a metric without one, or too few samples
-        why = paired and (paired["evidence"].get("history") or paired["reason"])
+        why = paired and ((paired.evidence or {}).get("history") or paired.reason)
         return {"source": "both", "metric": None, "verdict": None, "scenario_verdict": "pass",
                 "reason": f"no paired test of {row['metric']}" + (f": {why}" if why else "")}
     side = "baseline" if verdict == "improvement" or (
@@ -563,7 +596,8 @@ def compare_decision(row: dict[str, Any], results: dict[tuple[int, str], tuple[s
     if scenario_verdict is None:
         reason = f"the {side} run has no verdict of {row['scenario']}"
     return {"source": side, "metric": metric, "verdict": decided,
-            "reason": reason or (decided or {}).get("reason"), "scenario_verdict": scenario_verdict}
+            "reason": reason or (decided.reason if decided is not None else None),
+            "scenario_verdict": scenario_verdict}
 
 
 @router.get("/compare")
@@ -578,7 +612,7 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
     form = {"baseline": baseline or "", "contender": contender or "",
             "baseline_patches": baseline_patches, "contender_patches": contender_patches,
             "metric": metric}
-    recent = [c["ref"] for c in queries.commit_summaries(session, limit=50)]
+    recent = [c.ref for c in queries.commit_summaries(session, limit=50)]
     if not baseline or not contender:
         return page(request, "compare.html", title="Compare", form=form, recent=recent, rows=None)
     builds = {}
@@ -588,17 +622,20 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
         if build is None:
             return problem(request, 404, f"{name}: no build of {ref!r} with patch set {patches!r}")
         builds[name] = build.id
-    rows = compare_builds(session, builds["baseline"], builds["contender"], metric=metric)
-    run_ids = [r["baseline_run"] for r in rows] + [r["contender_run"] for r in rows]
+    compared = compare_builds(session, builds["baseline"], builds["contender"], metric=metric)
+    run_ids = [c.baseline_run for c in compared] + [c.contender_run for c in compared]
     results = queries.scenario_results_of(session, run_ids)
     judged = queries.metric_verdicts_of(session, run_ids)
-    for r in rows:
-        r["baseline_verdict"] = results.get((r["baseline_run"], r["scenario"]), (None,))[0]
-        r["contender_verdict"] = results.get((r["contender_run"], r["scenario"]), (None,))[0]
+    rows = []  # the page's rows: each comparison's fields, both sides' verdicts, its own
+    for c in compared:
+        r = {**dict(c),
+             "baseline_verdict": results.get((c.baseline_run, c.scenario), (None,))[0],
+             "contender_verdict": results.get((c.contender_run, c.scenario), (None,))[0]}
         r["verdict"] = compare_verdict(r["baseline_verdict"], r["contender_verdict"])
-        if r["paired_verdict"] == "regression" and r["verdict"] in ("pass", "improvement"):
+        if c.paired_verdict == "regression" and r["verdict"] in ("pass", "improvement"):
             r["verdict"] = "regression"  # both pass their limits, yet the same prompts got worse
         r["decision"] = compare_decision({**r, "metric": metric}, results, judged)
+        rows.append(r)
     rows.sort(key=lambda r: (COMPARE_ORDER.index(r["verdict"]), -(r["delta"] or 0.0),
                              r["config"], r["scenario"]))
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COMPARE_ORDER}
@@ -618,17 +655,22 @@ def read_compare_page(request: Request, session: SessionDep, baseline: Text = No
 
 # ---- regressions and bisections ------------------------------------------------------------
 
-def regression_rows(session: Session, limit: int = REGRESSIONS_SHOWN) -> list[dict[str, Any]]:
+class RegressionView(RegressionRead):
+    """A regression as the dashboard shows it: with its bisections and who triaged it last."""
+
+    bisections: list[BisectionBrief]
+    triaged_by: str | None = None
+
+
+def regression_rows(session: Session, limit: int = REGRESSIONS_SHOWN) -> list[RegressionView]:
     """``queries.regressions``, open first, with the runs they point at (and their builds and
     commits) loaded up front instead of one by one, and each one's bisections."""
-    rows = [queries.regression_dict(session, r)
+    rows = [queries.regression_read(session, r)
             for r in queries.regressions_with_runs(session, limit)]
-    bisections = queries.regression_bisections(session, [r["id"] for r in rows])
-    triaged_by = audit.last_triage_by(session, [r["id"] for r in rows])
-    for r in rows:
-        r["bisections"] = bisections[r["id"]]
-        r["triaged_by"] = triaged_by.get(r["id"])
-    return rows
+    bisections = queries.regression_bisections(session, [r.id for r in rows])
+    triaged_by = audit.last_triage_by(session, [r.id for r in rows])
+    return [RegressionView(**dict(r), bisections=bisections[r.id], triaged_by=triaged_by.get(r.id))
+            for r in rows]
 
 
 def regression_api(request: Request) -> str:
@@ -646,8 +688,8 @@ def read_regressions_page(request: Request, session: SessionDep) -> HTMLResponse
     opened them; each one's page triages and bisects it."""
     rows = regression_rows(session)
     return page(request, "regressions.html", title="Regressions",
-                open=[r for r in rows if r["state"] == "open"],
-                resolved=[r for r in rows if r["state"] != "open"], shown=REGRESSIONS_SHOWN,
+                open=[r for r in rows if r.state == "open"],
+                resolved=[r for r in rows if r.state != "open"], shown=REGRESSIONS_SHOWN,
                 full=len(rows) == REGRESSIONS_SHOWN, triage_api=regression_api(request),
                 triage_values=TRIAGE,
                 write_token=bool(request.app.state.settings.api_token))
@@ -659,9 +701,9 @@ def regression_page(request: Request, session: Session, regression_id: int,
     r = session.get(Regression, regression_id)
     if r is None:
         return problem(request, 404, f"no regression {regression_id}")
-    row = queries.regression_dict(session, r)
-    row["bisections"] = queries.regression_bisections(session, [r.id])[r.id]
-    targets = [("regression", r.id), *(("bisection", b["id"]) for b in row["bisections"])]
+    row = RegressionView(**dict(queries.regression_read(session, r)),
+                         bisections=queries.regression_bisections(session, [r.id])[r.id])
+    targets = [("regression", r.id), *(("bisection", b.id) for b in row.bisections)]
     return page(request, "regression.html", status_code, title=f"Regression #{r.id}", r=row,
                 triage_values=TRIAGE, history=audit.history(session, targets),
                 triage_api=regression_api(request),
@@ -676,21 +718,32 @@ def read_regression_page(regression_id: RegressionId, request: Request, session:
     return regression_page(request, session, regression_id)
 
 
-def bisection_view(b: dict[str, Any]) -> dict[str, Any]:
-    """``queries.bisection_dict`` with the most runs it may take (``bound``: ceil(log2(n)) for n
+class BisectionView(BisectionRead):
+    """A bisection as the dashboard shows it (``bisection_view``)."""
+
+    search: int | None
+    ran_bad: bool
+    bound: int | None
+    reused: int
+    candidate_states: list[dict[str, str | None]]
+
+
+def bisection_view(b: BisectionRead) -> BisectionView:
+    """``queries.bisection_read`` with the most runs it may take (``bound``: ceil(log2(n)) for n
     candidates, ``search``, plus one when the bad end had to be run rather than reused,
     ``ran_bad``; None without candidates), and each candidate's state: first_bad, bad, good, or
-    None (not evaluated)."""
-    steps = b["steps"] or []
-    n = len(b["candidates"] or [])
+    None (not evaluated). Its steps are the stored JSON: dicts."""
+    steps = b.steps or []
+    n = len(b.candidates or [])
     search = math.ceil(math.log2(n)) if n else None
-    ran_bad = any(s["sha"] == b["bad"] and not s.get("reused") for s in steps)
+    ran_bad = any(s["sha"] == b.bad and not s.get("reused") for s in steps)
     tested = {s["sha"]: "bad" if s["bad"] else "good" for s in steps}
-    candidates = [{"sha": sha, "state": "first_bad" if sha == b["first_bad"]
-                   else tested.get(sha)} for sha in b["candidates"] or []]
-    return {**b, "search": search, "ran_bad": ran_bad,
-            "bound": None if search is None else search + ran_bad,
-            "reused": sum(bool(s.get("reused")) for s in steps), "candidate_states": candidates}
+    candidates = [{"sha": sha, "state": "first_bad" if sha == b.first_bad
+                   else tested.get(sha)} for sha in b.candidates or []]
+    return BisectionView(**dict(b), search=search, ran_bad=ran_bad,
+                         bound=None if search is None else search + ran_bad,
+                         reused=sum(bool(s.get("reused")) for s in steps),
+                         candidate_states=candidates)
 
 
 @router.get("/bisections")
@@ -707,7 +760,7 @@ def read_bisection_page(bisect_id: JobId, request: Request, session: SessionDep)
     if b is None:
         return problem(request, 404, f"no bisection {bisect_id}")
     return page(request, "bisection.html", title=f"Bisection {bisect_id}",
-                b=bisection_view(queries.bisection_dict(b)),
+                b=bisection_view(queries.bisection_read(b)),
                 history=audit.history(session, [("bisection", bisect_id)]))
 
 
@@ -733,13 +786,13 @@ def read_sample_page(run_id: RunId, request: Request, session: SessionDep, shown
         return problem(request, 422, f"sample {sample_id!r} is in several scenarios of run "
                                      f"{run_id}: name one with ?scenario=")
     sample = found[0]
-    path = run["samples_path"]
+    path = run.samples_path
     row = read_sample(path, sample.scenario, sample_id) if path and Path(path).is_file() else None
     if row is None:
         return problem(request, 404, f"run {run_id}: the token-level record of sample "
                                      f"{sample_id!r} is not here "
                                      f"({shown(path) or 'no samples file'})")
-    model_path = (run["requested_args"] or {}).get("model_path")
+    model_path = (run.requested_args or {}).get("model_path")
     try:
         tokens = sample_tokens(row, model_path)
         extend = extend_tokens(row, model_path)

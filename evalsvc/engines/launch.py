@@ -36,10 +36,19 @@ class PortInUseError(EngineStartError):
     """The engine could not bind its port."""
 
 
+PORT_HEADROOM = 10000  # SGLang derives ports from its own (0.5.12's gRPC port: port + 10000)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 with ``PORT_HEADROOM`` above it (SGLang 0.5.12 refuses to
+    start on a port whose derived gRPC port passes 65535)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + PORT_HEADROOM <= 65535:
+            return port
+    raise OSError("no free port below 55536 on 127.0.0.1")
 
 
 def embedded_command(port: int, flags: Sequence[str] = (), python: str | None = None) -> list[str]:
@@ -70,6 +79,41 @@ def group_states(pgid: int) -> dict[int, str]:
         if int(fields[2]) == pgid:
             states[int(entry.name)] = fields[0]
     return states
+
+
+def listening_inodes(port: int) -> set[str]:
+    """The inodes of the TCP sockets listening on ``port`` on any address (``/proc/net/tcp`` and
+    ``tcp6``; empty where there is no ``/proc``)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... uid timeout inode
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def group_listens_on(pgid: int, port: int) -> bool | None:
+    """Whether a process of the group ``pgid`` holds the socket listening on ``port``; None where
+    that cannot be told (no listener visible, no ``/proc``)."""
+    sockets = {f"socket:[{inode}]" for inode in listening_inodes(port)}
+    if not sockets:
+        return None
+    for pid in group_states(pgid):
+        try:
+            fds = os.scandir(f"/proc/{pid}/fd")
+        except OSError:  # gone meanwhile
+            continue
+        with fds:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path) in sockets:
+                        return True
+    return False
 
 
 class EngineProcess:
@@ -128,6 +172,7 @@ class EngineProcess:
                     raise EngineStartError(f"engine exited with code {code} during start-up{tail}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.base_url}/health_generate").status_code == 200:
+                        self.check_port_is_ours()
                         self.startup_seconds = time.monotonic() - self._t0
                         return
                 if time.monotonic() > deadline:
@@ -135,6 +180,15 @@ class EngineProcess:
                     raise EngineStartError(f"engine not healthy after {self.startup_timeout:.0f} s"
                                            f"{stopped}{self._tail()}")
                 time.sleep(0.1)
+
+    def check_port_is_ours(self) -> None:
+        """A server that answers is ours only if our process group holds the listening socket:
+        another server may have bound the port between ``free_port`` and our engine's own bind
+        (SGLang binds only after its imports, many seconds in), and taking its answers would
+        measure the wrong server."""
+        if group_listens_on(self.proc.pid, self.port) is False:
+            raise PortInUseError(f"port {self.port} is already in use: another process answers "
+                                 f"on it while the engine starts{self._tail()}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

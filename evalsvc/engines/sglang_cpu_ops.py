@@ -247,7 +247,9 @@ def _extend(query, key, value, g, beta, initial_state, cu_seqlens, head_first, l
     hv, dk = value.shape[2], key.shape[-1]
     scale = dk ** -0.5
     out = torch.empty_like(value)
-    slots = slots.tolist()
+    # without indices (0.5.13's CPU branch), ``initial_state`` holds one state per sequence, a
+    # gathered copy: the caller writes the final states back
+    slots = list(range(len(cu_seqlens) - 1)) if slots is None else slots.tolist()
     finals = []
     for i, (s, e) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
         qi = _per_value_head(query[0, s:e].float(), hv)
@@ -405,15 +407,31 @@ def gated_delta_rule_verify(A_log, dt_bias, q, k, v, a, b, initial_state_source,
     return out
 
 
-def state_scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw):
+def state_scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw, src_indices_raw=None):
     """SGLang's Triton ``fused_mamba_state_scatter_with_mask`` (and its conv-window twin), which
     commits the accepted verify step: for each request ``i`` whose step is valid (``>= 0``),
-    ``dst[:, dst_indices_raw[i]] = src[:, i, step_indices_raw[i]]`` for every layer; indices out of
-    range are skipped, as the kernel's bounds check does."""
+    ``dst[:, dst_indices_raw[i]] = src[:, row, step_indices_raw[i]]`` for every layer, where
+    ``row`` is ``i``, or ``src_indices_raw[i]`` (the verify scratch row, from 0.5.23) where given;
+    indices out of range are skipped, as the kernel's bounds check does."""
     steps, slots = step_indices_raw.tolist(), dst_indices_raw.tolist()
-    for i, (step, slot) in enumerate(zip(steps, slots, strict=True)):
-        if 0 <= step < src.shape[2] and 0 <= slot < dst.shape[1] and i < src.shape[1]:
-            dst[:, slot] = src[:, i, step]
+    rows = range(len(steps)) if src_indices_raw is None else src_indices_raw.tolist()
+    if len(rows) != len(steps):
+        raise ValueError(f"source indices length mismatch: {len(rows)} vs {len(steps)}")
+    for row, step, slot in zip(rows, steps, slots, strict=True):
+        if 0 <= step < src.shape[2] and 0 <= slot < dst.shape[1] and 0 <= row < src.shape[1]:
+            dst[:, slot] = src[:, row, step]
+
+
+def conv_window_scatter_multi(pairs, dst_indices_raw, step_indices_raw, dst_indices2_raw=None,
+                              step_indices2_raw=None):
+    """SGLang's Triton ``fused_conv_window_scatter_multi`` (0.5.19): the conv-window scatter of
+    ``fused_conv_window_scatter_with_mask`` over several ``(dst, src)`` pairs and up to two index
+    sets (the accepted steps, then the track slots) in one launch; here pair by pair, set by set
+    (the sets write different slots)."""
+    for dst, src in pairs:
+        state_scatter_with_mask(dst, src, dst_indices_raw, step_indices_raw)
+        if step_indices2_raw is not None and step_indices2_raw.shape[0]:
+            state_scatter_with_mask(dst, src, dst_indices2_raw, step_indices2_raw)
 
 
 def track_states(conv_states, ssm_states, cache_indices, mamba_track_mask,
@@ -519,6 +537,23 @@ def without_cuda(otherwise):
 
 host_register_on_cpu = without_cuda(lambda buffer: None)
 cpu_pin_memory = without_cuda(lambda tensor: tensor)
+PINNING_FACTORIES = ("tensor", "empty", "zeros", "full", "arange")
+
+
+def unpinned(factory):
+    """A torch tensor factory that makes its tensor unpinned where no accelerator is there:
+    SGLang asks for pinned host tensors that it then copies to the device (``pin_memory=True``:
+    the extra buffer's track slots in ``schedule_batch.py``; in 0.5.12.post1 also the logits
+    processor's indices and the forward batch's token counts, unconditionally), which torch refuses
+    without an accelerator. Pinning only speeds a copy to a device; the copy to the CPU needs none.
+    """
+    def make(*args, **kwargs):
+        if kwargs.get("pin_memory") is True and not torch.cuda.is_available():
+            kwargs["pin_memory"] = False
+        return factory(*args, **kwargs)
+
+    make.__wrapped__ = factory
+    return make
 
 
 def verify_as_extend(forward_extend):
@@ -663,11 +698,16 @@ HOST_ATTRS: dict[str, dict[str, object]] = {
     "sglang.kernels.ops.mamba.mamba_state_scatter_triton": {
         "fused_mamba_state_scatter_with_mask": state_scatter_with_mask,
         "fused_conv_window_scatter_with_mask": state_scatter_with_mask,
+        "fused_conv_window_scatter_multi": conv_window_scatter_multi,
         "track_mamba_states_if_needed": track_states,
         "track_mamba_states_all_layers": track_states_all_layers},
     "sglang.srt.layers.attention.torch_native_backend": {
         "TorchNativeAttnBackend.forward_extend": Wrap(verify_as_extend)},
     "sglang.srt.managers.overlap_utils": {"gather_spec_extras": gather_spec_extras},
+    # 0.5.13 and before: the decode tracking's Triton launcher lives in the backend's module;
+    # 0.5.12.post1 imports FLA's chunk size there on CUDA only, and reads it to track the extend
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend": {
+        "track_mamba_states_if_needed": track_states, "FLA_CHUNK_SIZE": Define(CHUNK)},
     # HiCache with the direct io backend and the page-first direct layout (the Mamba host pool's)
     "sglang.srt.mem_cache.pool_host.common": {
         "_cuda_host_register": Wrap(host_register_on_cpu),
@@ -680,6 +720,10 @@ HOST_ATTRS: dict[str, dict[str, object]] = {
     "sglang.srt.arg_groups.speculative_hook": {
         "_disable_overlap_schedule_for_cpu": _keep_overlap},
 }
+# Where earlier releases (0.5.12.post1, 0.5.13) kept the kernel modules named above: the same
+# bindings apply there.
+EARLIER_HOMES = {"sglang.kernels.ops.attention.fla.": "sglang.srt.layers.attention.fla.",
+                 "sglang.kernels.ops.mamba.": "sglang.srt.layers.attention.mamba."}
 REQUIRED_ATTRS = {"_use_cpu"}  # a flag the module must have; a name is replaced where bound
 _LIBRARY: list[torch.library.Library] = []
 
@@ -736,7 +780,15 @@ def draft_extend_torch_native(tree: ast.Module, lines: list[str]) -> list[tuple[
     """``DraftBackendFactory.create_draft_extend_backend`` maps attention backends to the draft
     model's extend backend and has no ``torch_native`` entry (CPUs without AMX): the entry builds
     the torch backend for the draft runner, as the target's own is built
-    (``TorchNativeAttnBackend(model_runner)``)."""
+    (``TorchNativeAttnBackend(model_runner)``). Where the release's entries return the backend
+    with its name (``("triton", TritonAttnBackend(...))``, which ``_create_backend`` unpacks, as
+    in 0.5.19), the new entry does too."""
+    stamped = any(isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)
+                  for f in _methods(tree, "DraftBackendFactory", "_create_triton_prefill_backend")
+                  for r in ast.walk(f))
+    entry = f"{TORCH_NATIVE_DRAFT}(self.draft_model_runner)"
+    if stamped:
+        entry = f"(\"torch_native\", {entry})"
     edits = []
     for f in _methods(tree, "DraftBackendFactory", "create_draft_extend_backend"):
         for node in ast.walk(f):
@@ -745,27 +797,8 @@ def draft_extend_torch_native(tree: ast.Module, lines: list[str]) -> list[tuple[
                     and not any(isinstance(k, ast.Constant) and k.value == "torch_native"
                                 for k in node.keys):
                 end = _span(lines, node.values[-1])[1]
-                edits.append((end, end, f", \"torch_native\": lambda: "
-                                        f"{TORCH_NATIVE_DRAFT}(self.draft_model_runner)"))
+                edits.append((end, end, f", \"torch_native\": lambda: {entry}"))
     return edits
-
-
-CAN_PIN = "_evalsvc_can_pin"
-
-
-def _can_pin() -> bool:
-    return torch.cuda.is_available()
-
-
-def track_indices_unpinned(tree: ast.Module, lines: list[str]) -> list[tuple[int, int, str]]:
-    """``set_mamba_track_indices_from_reqs`` (the extra buffer's track slots of a batch) builds
-    its index tensor with ``pin_memory=True``, which torch refuses without an accelerator; the
-    other tensors of the module pin where ``is_pin_memory_available`` says so. Pinning only speeds
-    a copy to a device: on the CPU the tensor is left unpinned."""
-    return [(*_span(lines, k.value), f"{CAN_PIN}()") for f in ast.walk(tree)
-            if isinstance(f, ast.FunctionDef) and f.name == "set_mamba_track_indices_from_reqs"
-            for k in ast.walk(f) if isinstance(k, ast.keyword) and k.arg == "pin_memory"
-            and isinstance(k.value, ast.Constant) and k.value.value is True]
 
 
 REFERENCE_OPS = "_evalsvc_reference_ops"
@@ -776,17 +809,24 @@ def _reference_ops() -> bool:
 
 
 def extra_buffer_on_cpu(tree: ast.Module, lines: list[str]) -> list[tuple[int, int, str]]:
-    """``ServerArgs._validate_mamba_extra_buffer`` asserts a CUDA, MUSA, NPU or ROCm device
-    ("extra_buffer needs ... (FLA)"): FLA's chunked delta rule is what returns the states at the
-    chunk boundaries that the extra buffer tracks. On the reference ops the CPU has them
-    (:func:`chunk_gated_delta_rule_with_h`), so the assertion admits the CPU there too; the kernel
-    path's op returns none, and stays refused."""
+    """SGLang asserts a CUDA, MUSA, NPU or ROCm device for the extra buffer: FLA's chunked delta
+    rule is what returns the states at the chunk boundaries that the extra buffer tracks. On the
+    reference ops the CPU has them (:func:`chunk_gated_delta_rule_with_h`), so the assertion admits
+    the CPU there too; the kernel path's op returns none, and stays refused. The assertion is found
+    by its message (naming extra_buffer) and its test (a platform check): ``is_cuda() or ...`` in
+    ``ServerArgs`` (``_validate_mamba_extra_buffer`` in 0.5.17, ``_handle_mamba_radix_cache``
+    before), ``get_platform().is_cuda or ...`` in ``arg_groups/mamba_hook.py``'s
+    ``validate_mamba_extra_buffer`` (0.5.19 to 0.5.22), ``_platform_supports_mamba_cache_extra_
+    buffer()`` there (0.5.23)."""
+    def platform_check(test: ast.expr) -> bool:
+        text = ast.unparse(test)
+        return (f"{REFERENCE_OPS}()" not in text
+                and ("is_cuda" in text or "_platform_supports_mamba_cache_extra_buffer" in text))
+
     return [(_span(lines, node.test)[1], _span(lines, node.test)[1], f" or {REFERENCE_OPS}()")
-            for f in _methods(tree, "ServerArgs", "_validate_mamba_extra_buffer")
-            for node in ast.walk(f) if isinstance(node, ast.Assert)
-            and isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.Or)
-            and "is_cuda()" in {ast.unparse(v) for v in node.test.values}
-            and f"{REFERENCE_OPS}()" not in {ast.unparse(v) for v in node.test.values}]
+            for node in ast.walk(tree) if isinstance(node, ast.Assert)
+            and node.msg is not None and "extra_buffer" in ast.unparse(node.msg)
+            and platform_check(node.test)]
 
 
 SOURCE_EDITS = {
@@ -794,12 +834,12 @@ SOURCE_EDITS = {
     "sglang.srt.models.qwen3_next": (no_cuda_synchronize,),
     "sglang.srt.speculative.draft_utils": (draft_extend_torch_native,),
     "sglang.srt.server_args": (extra_buffer_on_cpu,),
-    "sglang.srt.managers.schedule_batch": (track_indices_unpinned,),
+    "sglang.srt.arg_groups.mamba_hook": (extra_buffer_on_cpu,),
 }
 SOURCE_GLOBALS = {"sglang.srt.speculative.draft_utils":
                   {TORCH_NATIVE_DRAFT: _torch_native_draft_backend},
                   "sglang.srt.server_args": {REFERENCE_OPS: _reference_ops},
-                  "sglang.srt.managers.schedule_batch": {CAN_PIN: _can_pin}}
+                  "sglang.srt.arg_groups.mamba_hook": {REFERENCE_OPS: _reference_ops}}
 
 
 def edited_source(name: str, source: str) -> tuple[str, int]:
@@ -859,7 +899,8 @@ class _SetAfterImport(importlib.abc.MetaPathFinder):
                 owner, _, attr = attr.rpartition(".")
                 owner = getattr(module, owner) if owner else module
                 if isinstance(value, Wrap):
-                    setattr(owner, attr, value.factory(getattr(owner, attr)))
+                    if hasattr(owner, attr):  # a release without the name is left alone
+                        setattr(owner, attr, value.factory(getattr(owner, attr)))
                 elif isinstance(value, Define):
                     setattr(owner, attr, value.value)
                 elif hasattr(owner, attr):
@@ -921,11 +962,17 @@ def activate(environ=None) -> str:
     if choice == "reference":
         for name, values in MODULE_ATTRS.items():
             attrs.setdefault(name, {}).update(values)
+    for name, values in list(attrs.items()):
+        for home, earlier in EARLIER_HOMES.items():
+            if name.startswith(home):
+                attrs.setdefault(earlier + name.removeprefix(home), {}).update(values)
     sys.meta_path.insert(0, _SetAfterImport(attrs))
     sys.meta_path.insert(0, _EditSource())
     if not hasattr(torch.Tensor.record_stream, "__wrapped__"):
         torch.Tensor.record_stream = cpu_record_stream(torch.Tensor.record_stream)
         torch.Tensor.pin_memory = cpu_pin_memory(torch.Tensor.pin_memory)
+        for name in PINNING_FACTORIES:
+            setattr(torch, name, unpinned(getattr(torch, name)))
     if choice == "reference":
         install()
     elif choice == "kernel":

@@ -310,6 +310,19 @@ def parse_server_info(info: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def host_tier_size(resolved: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The host tier's size from a server's resolved arguments, as (tokens, Mamba states): the
+    device pools' sizes times ``--hicache-ratio``; (None, None) without HiCache or where
+    ``--hicache-size`` (GB) sets it instead; states None where the Mamba pool's size is not said."""
+    tokens = resolved.get("max_total_tokens") or resolved.get("max_total_num_tokens")
+    states = resolved.get("max_mamba_cache_size")
+    ratio = resolved.get("hicache_ratio")
+    if not resolved.get("enable_hierarchical_cache") or resolved.get("hicache_size") \
+            or not tokens or not ratio:
+        return None, None
+    return int(tokens * float(ratio)), int(states * float(ratio)) if states else None
+
+
 def resolved_mismatches(requested: dict[str, Any], resolved: dict[str, Any]) -> list[str]:
     """Where a server did not run what a config asked for (``auto`` may resolve to anything;
     ``NEXTN`` is an alias of ``EAGLE``)."""

@@ -126,10 +126,10 @@ def test_jobs_count_their_errored_runs(client, tmp_path):
     errored is failed, naming it: in the list and in the job."""
     from datetime import UTC, datetime
 
-    from evalsvc.jobs.record import JobRecord
     from evalsvc.matrix import Config
     from evalsvc.store.record import BuildRef
     from evalsvc.types import RunResult
+    from tests.recorded import JobRecord
     from tests.store.factories import fingerprint_of, job_spec, run_result
 
     def config(name: str) -> Config:

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from evalsvc.app import create_app
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
-from evalsvc.store.models import Regression, Run
+from evalsvc.store.models import Build, Regression, Run
 from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
 
 READ = {"Authorization": "Bearer read-secret"}
@@ -231,6 +231,56 @@ def test_server_paths_in_errors_are_redacted_for_readers_without_the_write_role(
         assert "&lt;data&gt;/results/cli-x/1.parquet" in page
         assert "/opt/secret-env/bin/python" in c.get("/jobs/cli-x", headers=WRITE).text
         assert str(data) not in c.get("/jobs", headers=READ).text
+
+
+def test_a_runs_command_arguments_and_log_are_redacted_for_readers_without_the_write_role(
+        tmp_path):
+    """A run's command line, its arguments asked for and resolved, its reference server's command
+    and its engine log's tail name the engine's environment and the model's directory: a reader
+    without the write role sees them by their last part, on the API and on the job's page; the
+    write token sees them as stored."""
+    data = (tmp_path / "data").resolve()
+    python, model = "/opt/secret-env/bin/python", "/srv/private-models/qwen3-next-tiny"
+    command = [python, "-m", "sglang.launch_server", "--model-path", model, "--port", "30000"]
+    log = data / "logs" / "cli-y" / "m-eb.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(f'Traceback:\n  File "/opt/secret-env/lib/python3.11/site-packages/sglang/'
+                   f'srt/server_args.py", line 9\nloading {model}/model.safetensors\n')
+    with make_client(tmp_path, api_token="write-secret", read_token="read-secret") as c:
+        store = c.app.state.services.store
+        [run_id] = record(store, data / "results", "cli-y", build_ref("bbb222"),
+                          [run_result("m-eb", {"cold": [1e-4] * 4})])
+        with store.session() as s:
+            run = s.get(Run, run_id)
+            run.command, run.log_path = command, str(log)
+            run.requested_args = {"model_path": model, "chunked_prefill_size": 64}
+            run.resolved_args = {"model_path": model, "chunked_prefill_size": 64,
+                                 "tokenizer_path": model}
+            run.reference = {"kind": "config", "command": command}
+            build = s.get(Build, run.build_id)
+            build.base_env = {"python": python, "version": "0.5.17"}
+            build.manifest = {"kind": "path", "location": "/srv/private-src/sglang"}
+
+        read = c.get(f"/api/v1/runs/{run_id}", headers=READ).json()
+        assert read["command"] == [".../python", "-m", "sglang.launch_server", "--model-path",
+                                   ".../qwen3-next-tiny", "--port", "30000"]
+        assert read["requested_args"] == {"model_path": ".../qwen3-next-tiny",
+                                          "chunked_prefill_size": 64}
+        assert read["resolved_args"]["tokenizer_path"] == ".../qwen3-next-tiny"
+        assert read["reference"]["command"] == read["command"]
+        assert "/opt/secret-env" not in str(read) and "/srv/private-models" not in str(read)
+        written = c.get(f"/api/v1/runs/{run_id}", headers=WRITE).json()
+        assert written["command"] == command and written["requested_args"]["model_path"] == model
+        assert written["reference"]["command"] == command
+
+        page = c.get("/jobs/cli-y", headers=READ).text
+        assert "/opt/secret-env" not in page and "/srv/private-models" not in page
+        assert ".../server_args.py" in page and ".../model.safetensors" in page
+        assert ".../qwen3-next-tiny" in page
+        assert "/srv/private-src" not in page and ".../sglang" in page  # the build's manifest
+        page = c.get("/jobs/cli-y", headers=WRITE).text
+        assert "/opt/secret-env/lib/python3.11" in page and f"{model}/model.safetensors" in page
+        assert "/srv/private-src/sglang" in page
 
 
 def test_redaction_leaves_urls_fractions_and_rates_alone():

@@ -29,7 +29,15 @@ from evalsvc.dashboard.views import (
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Regression, Run, VerdictRow
-from tests.store.factories import BASE_TIME, build_ref, fingerprint_of, record, run_result
+from evalsvc.store.reads import BisectionRead, VerdictRead
+from tests.store.factories import (
+    BASE_TIME,
+    build_ref,
+    fingerprint_of,
+    job_spec,
+    record,
+    run_result,
+)
 
 MAMBA, GDN = "mamba2-eb-ov-c64", "gdn-eb-ov-c64"
 CLEAN = [1e-13, 2e-13, 1.5e-13]
@@ -487,9 +495,11 @@ def test_compare_decision(base, cont, verdict, paired, source, why):
                              else "hit coverage 0.00 below 0.50")}
     if cont is not None:
         results[(2, "cold")] = (cont, None)
+    # the paired judgement as compare_builds gives it: a stored verdict's read model (of the
+    # fields the decision reads)
     row = {"scenario": "cold", "metric": "hit_coverage", "baseline_run": 1, "contender_run": 2,
            "baseline_verdict": base, "contender_verdict": cont, "verdict": verdict,
-           "paired": paired}
+           "paired": None if paired is None else VerdictRead.model_construct(**paired)}
     d = compare_decision(row, results, {})
     assert (d["source"], d["reason"]) == (source, why)
 
@@ -511,6 +521,8 @@ def test_compare_decision(base, cont, verdict, paired, source, why):
                    {"metric": "accept_length", "verdict": "regression", "method": "history"}],
      "accept_length")])
 def test_deciding_verdict(verdict, reason, judged, decided):
+    # the scenario's stored verdicts as the store reads them (of the fields deciding_verdict reads)
+    judged = [VerdictRead.model_construct(**v) for v in judged]
     assert deciding_verdict(verdict, reason, judged)[0] == decided
 
 
@@ -658,9 +670,12 @@ def test_bisection_page_shows_its_steps_and_the_first_bad_commit(client):
     (5, [{"sha": "c4", "reused": False, "bad": True}], 4), (0, [], None)])
 def test_bisection_bound(n, steps, bound):
     candidates = [f"c{i}" for i in range(n)]
-    b = bisection_view({"candidates": candidates, "bad": candidates[-1] if n else "c0",
-                        "steps": steps, "first_bad": None})
-    assert b["bound"] == bound
+    b = bisection_view(BisectionRead(
+        id="b1", status="running", repository="/repo", good="g", matrix="smoke", config="cfg",
+        scenario="cold", metric=None, runs_used=0, error=None, regression_id=None,
+        created_at=BASE_TIME, finished_at=None,
+        candidates=candidates, bad=candidates[-1] if n else "c0", steps=steps, first_bad=None))
+    assert b.bound == bound
 
 
 def test_run_page_lists_the_verdicts(client):
@@ -723,6 +738,31 @@ def test_jobs_show_how_many_of_their_runs_errored(tmp_path):
         clean = jobs[jobs.index('data-job="job-clean"'):]
         assert "errored" not in clean[:clean.index("</tr>")]
         assert "errored" not in c.get("/jobs/job-clean").text
+
+
+def test_a_jobs_page_reads_its_spec_typed(tmp_path):
+    """The job's facts come from its stored spec read as a ``JobSpec`` (the matrix's name, the
+    engine, the configs, the SGLang environment and model asked); a spec of an older shape, which
+    is no ``JobSpec``, says so instead of printing the raw data."""
+    from evalsvc.store.record import ensure_job
+
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        with store.session() as s:
+            ensure_job(s, "job-typed", "api", job_spec(
+                engine="sglang", configs=[MAMBA], engine_env="cpu-0.5.17", model="qwen3-next-tiny"),
+                status="done")
+            ensure_job(s, "job-old", "api", {"matrix": "a-matrix-no-longer-there"},
+                       status="done")
+    finally:
+        store.close()
+    with make_client(tmp_path) as c:
+        html = c.get("/jobs/job-typed").text
+        assert f"<th>matrix</th><td>smoke, engine sglang, configs {MAMBA}</td>" in html
+        assert '<td class="engine-env">cpu-0.5.17 / qwen3-next-tiny</td>' in html
+        old = c.get("/jobs/job-old").text
+        assert "a job spec of an older shape, not readable as a job" in old
+        assert "a-matrix-no-longer-there" not in old
 
 
 @pytest.mark.parametrize("path", [

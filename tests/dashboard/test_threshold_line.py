@@ -7,10 +7,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from evalsvc.dashboard.views import kl_threshold
-from evalsvc.jobs.record import JobRecord
 from evalsvc.matrix import MatrixFile, load_matrix
 from evalsvc.store.db import Store
 from evalsvc.store.record import BuildRef
+from tests.recorded import JobRecord
 from tests.store.factories import job_spec, run_result
 from tests.test_job_record import config
 

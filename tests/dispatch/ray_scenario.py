@@ -183,7 +183,8 @@ def builds_of(service: Service, job_id: str) -> list[dict[str, Any]]:
     store = Store(service.env["EVALSVC_DATABASE_URL"])
     try:
         with store.session() as s:
-            return json.loads(json.dumps(job_builds(s, job_id), default=str))
+            return json.loads(json.dumps([b.model_dump() for b in job_builds(s, job_id)],
+                                         default=str))
     finally:
         store.close()
 

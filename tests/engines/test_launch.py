@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from evalsvc.engines.base import EngineSpec, launch
-from evalsvc.engines.launch import free_port
+from evalsvc.engines.launch import PORT_HEADROOM, free_port
 from evalsvc.paths import MODELS_DIR
 
 SECRETS = {
@@ -44,3 +44,9 @@ def test_an_engine_inherits_none_of_the_service_secrets(monkeypatch, tmp_path):
     assert not [v for v in env.values() if any(s in v for s in SECRETS.values())]
     for name, value in {**KEPT, "EXTRA": "1"}.items():
         assert env.get(name) == value, name
+
+
+def test_free_ports_leave_room_for_the_ports_sglang_derives_from_them():
+    """SGLang 0.5.12 starts its gRPC port at the server's port + 10000 and refuses one past
+    65535; the ephemeral range reaches 60999."""
+    assert all(free_port() + PORT_HEADROOM <= 65535 for _ in range(50))

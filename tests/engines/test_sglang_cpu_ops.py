@@ -164,6 +164,14 @@ def test_the_chunked_delta_rule_is_the_token_loop_from_and_into_the_pool():
         torch.testing.assert_close(finals[i], state, rtol=1e-4, atol=1e-4)
     for other in (1, 4):
         assert torch.equal(pool[other], start[other])
+    # 0.5.13's CPU branch passes the sequences' states gathered, without indices, and writes the
+    # final states back itself: the same outputs and finals
+    gathered = start[slots].clone()
+    out2, finals2, h = ops.chunk_gated_delta_rule_with_h(q, k, v, g, beta, gathered, cu,
+                                                         use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out2, out)
+    torch.testing.assert_close(finals2, finals)
+    assert h.shape == (1, 1 + 3 + 1, HV, DV, DK)  # a state per 64-token chunk of each sequence
 
 
 def test_an_extend_then_decode_steps_compute_what_one_extend_does():
@@ -367,14 +375,40 @@ def test_the_accepted_step_is_scattered_into_each_requests_slot():
     torch.testing.assert_close(dst[:, 4], src[:, 0, 2])
     torch.testing.assert_close(dst[:, 2], src[:, 2, 0])
     assert torch.equal(dst[:, [0, 1, 3]], torch.zeros(2, 3, 3))  # request 1 rejected all
+    # 0.5.23's scratch rows: request i's states are in row src_indices_raw[i]
+    dst.zero_()
+    ops.state_scatter_with_mask(dst, src, torch.tensor([4, 1]), torch.tensor([2, 1]),
+                                torch.tensor([2, 0]))
+    torch.testing.assert_close(dst[:, 4], src[:, 2, 2])
+    torch.testing.assert_close(dst[:, 1], src[:, 0, 1])
+    with pytest.raises(ValueError, match="length mismatch"):
+        ops.state_scatter_with_mask(dst, src, torch.tensor([4]), torch.tensor([2]),
+                                    torch.tensor([0, 1]))
+
+
+def test_the_multi_pair_conv_scatter_commits_the_accepted_steps_and_the_track_slots():
+    pairs = [(torch.zeros(2, 6, 3, 4), torch.randn(2, 2, 3, 3, 4)),  # [layers, slots, dim, win]
+             (torch.zeros(2, 6, 5, 2), torch.randn(2, 2, 3, 5, 2))]  # and [layers, req, step, ...]
+    ops.conv_window_scatter_multi(pairs, torch.tensor([1, 3]), torch.tensor([2, -1]),
+                                  torch.tensor([5, 0]), torch.tensor([0, 1]))
+    for dst, src in pairs:
+        torch.testing.assert_close(dst[:, 1], src[:, 0, 2])  # accepted step 2 of request 0
+        torch.testing.assert_close(dst[:, 5], src[:, 0, 0])  # request 0's track slot, step 0
+        torch.testing.assert_close(dst[:, 0], src[:, 1, 1])  # request 1's track slot, step 1
+        assert not dst[:, [2, 3, 4]].any()  # request 1 rejected every draft: its slot untouched
+    before = [dst.clone() for dst, _ in pairs]
+    ops.conv_window_scatter_multi(pairs, torch.tensor([2]), torch.tensor([1]))  # no track set
+    for (dst, src), old in zip(pairs, before, strict=True):
+        torch.testing.assert_close(dst[:, 2], src[:, 0, 1])
+        assert torch.equal(dst[:, [0, 1, 3, 4, 5]], old[:, [0, 1, 3, 4, 5]])
 
 
 HOST_EDITED = {  # module -> the one function each edit may change
     "sglang.srt.mem_cache.memory_pool": ("MambaPool", "__init__"),
     "sglang.srt.models.qwen3_next": (None, "set_embed_and_head"),
     "sglang.srt.speculative.draft_utils": ("DraftBackendFactory", "create_draft_extend_backend"),
+    "sglang.srt.arg_groups.mamba_hook": (None, "validate_mamba_extra_buffer"),  # 0.5.19 on
     "sglang.srt.server_args": ("ServerArgs", "_validate_mamba_extra_buffer"),
-    "sglang.srt.managers.schedule_batch": (None, "set_mamba_track_indices_from_reqs"),
 }
 
 
@@ -395,7 +429,10 @@ def test_the_host_adapters_edit_only_the_functions_they_list(sglang_python):
         capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]},
     ).stdout.strip()).parent
     for name, (cls, function) in HOST_EDITED.items():
-        source = (root / Path(*name.split(".")[1:])).with_suffix(".py").read_text()
+        path = (root / Path(*name.split(".")[1:])).with_suffix(".py")
+        if name == "sglang.srt.arg_groups.mamba_hook" and not path.exists():
+            continue  # a later release's module
+        source = path.read_text()
         edited, count = ops.edited_source(name, source)
         assert count >= 1, name
         before, after = _functions(ast.parse(source)), _functions(ast.parse(edited))
@@ -405,6 +442,52 @@ def test_the_host_adapters_edit_only_the_functions_they_list(sglang_python):
             (name, changed)
         # idempotent: an edited module has nothing left to edit
         assert ops.edited_source(name, edited)[1] == 0, name
+
+
+@pytest.mark.parametrize("test", [
+    "is_cuda() or is_musa() or is_npu()",  # ServerArgs, 0.5.12.post1 to 0.5.17
+    "get_platform().is_cuda or get_platform().is_npu",  # mamba_hook, 0.5.19 to 0.5.22
+    "_platform_supports_mamba_cache_extra_buffer()"])  # mamba_hook, 0.5.23
+def test_the_extra_buffers_platform_assertion_admits_the_reference_ops(test):
+    source = (f"def validate(view):\n    assert supports(view), 'extra_buffer is not supported'\n"
+              f"    assert {test}, 'extra_buffer needs CUDA (FLA)'\n    assert {test}, 'other'\n")
+    for module in ("sglang.srt.server_args", "sglang.srt.arg_groups.mamba_hook"):
+        edited, count = ops.edited_source(module, source)
+        assert count == 1, module  # the platform assertion naming extra_buffer, only
+        assert f"assert {test} or {ops.REFERENCE_OPS}(), 'extra_buffer needs" in edited
+        assert ops.edited_source(module, edited)[1] == 0
+
+
+DRAFT_UTILS = """
+class DraftBackendFactory:
+    def _create_backend(self, backend_map):
+        {unpack} = backend_map["torch_native"]()
+        return backend
+
+    def create_draft_extend_backend(self):
+        backend_map = {{
+            "triton": self._create_triton_prefill_backend,
+        }}
+        return self._create_backend(backend_map)
+
+    def _create_triton_prefill_backend(self):
+        return {made}
+"""
+
+
+@pytest.mark.parametrize("unpack, made", [("backend", "'triton backend'"),
+                                          ("stamp, backend", "('triton', 'triton backend')")])
+def test_the_draft_extend_entry_follows_the_releases_convention(unpack, made):
+    """0.5.17's backend entries return the backend, 0.5.19's its name with it: the torch entry
+    the edit adds is built as the release builds its own, and the factory returns the backend."""
+    source = DRAFT_UTILS.format(unpack=unpack, made=made)
+    edited, count = ops.edited_source("sglang.srt.speculative.draft_utils", source)
+    assert count == 1
+    scope = {ops.TORCH_NATIVE_DRAFT: lambda runner: ("torch backend for", runner)}
+    exec(compile(edited, "draft_utils", "exec"), scope)
+    factory = scope["DraftBackendFactory"]()
+    factory.draft_model_runner = "draft runner"
+    assert factory.create_draft_extend_backend() == ("torch backend for", "draft runner")
 
 
 def test_the_overlap_schedulers_speculative_extras_are_gathered_by_row():
@@ -440,7 +523,6 @@ def test_the_host_adapters_touch_only_the_listed_places():
                                               ("managers", "mem_cache", "speculative")))
     assert logic == [
         "sglang.srt.managers.overlap_utils.gather_spec_extras",
-        "sglang.srt.managers.schedule_batch.*.set_mamba_track_indices_from_reqs",
         "sglang.srt.mem_cache.memory_pool.MambaPool.__init__",
         "sglang.srt.mem_cache.memory_pool_host.transfer_kv_all_layer_direct_lf_pf",
         "sglang.srt.mem_cache.memory_pool_host.transfer_kv_direct",
@@ -501,6 +583,16 @@ def test_pinning_is_a_no_op_without_an_accelerator():
     pin = ops.cpu_pin_memory(lambda tensor: "pinned")
     t = torch.zeros(3)
     assert pin(t) is (t if not torch.cuda.is_available() else "pinned")
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(RuntimeError, match="pin_memory"):  # what SGLang's own call meets
+        torch.tensor([1, 2], dtype=torch.int64, pin_memory=True)
+    for name in ops.PINNING_FACTORIES:
+        make = ops.unpinned(getattr(torch, name))
+        args = ([1, 2],) if name == "tensor" else ((3,), 7) if name == "full" else (3,)
+        made = make(*args, dtype=torch.int64, pin_memory=True)
+        assert not made.is_pinned() and made.dtype == torch.int64
+        assert torch.equal(made, getattr(torch, name)(*args, dtype=torch.int64)) or name == "empty"
 
 
 def test_hicaches_direct_transfers_move_pages_between_the_tiers_layouts():

@@ -162,9 +162,10 @@ def test_real_sglang_serves_a_hybrid_model_through_the_harness_on_the_reference_
     for r in rows:
         if r["scenario"] != "cold":  # served from SGLang's radix cache, by its own cached_tokens
             assert r["hit_coverage"] == 1.0, r
-        # a real bf16 engine: decode and a cold prefill differ by more than float32 rounding,
-        # and by far less than SGLang's own KL thresholds
-        assert 1e-8 < r["kl_k3_mean"] < 2.5e-3, r
+        # a real bf16 engine: decode and a cold prefill differ by more than float32 rounding, and
+        # by less than SGLang's threshold for this model (5e-3). The generated tokens are sampled
+        # at temperature 1, so 4 prompts spread: clean means up to 2.7e-3 (cold, one CI CPU)
+        assert 1e-8 < r["kl_k3_mean"] < 5e-3, r
     samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     hits = samples[samples.scenario == "prefill_hit"]
     assert (hits.cached_tokens > 0).all() and (hits.cached_tokens < hits.prompt_tokens).all()
@@ -209,6 +210,26 @@ def test_real_sglang_serves_mtp_and_the_extra_buffer_with_the_overlap_scheduler(
     samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     hits = samples[(samples.config == names[1]) & (samples.scenario == "prefill_hit")]
     assert (hits.cached_tokens > 0).all() and (hits.cached_tokens % 64 == 0).all()
+    assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
+
+
+def test_real_sglangs_hicache_loads_evicted_prefixes_back_from_host_memory(
+        sglang_python, qwen3_next, tmp_path, monkeypatch):
+    """HiCache on real SGLang (the direct io backend, the page-first layout, a host tier four
+    times the device pools): host_tier's prefixes are pushed out of the device pools, found in
+    the host tier, loaded back, and extend as a cold prefill does."""
+    monkeypatch.setenv(MARK, tmp_path.name)
+    name = "qwen3-next-tiny-nb-sync-c128-hicache"
+    [result] = _evaluate(sglang_python, qwen3_next, [name], tmp_path / "out", "reference",
+                         "sglang-cpu-full")
+    assert result.resolved_args["enable_hierarchical_cache"] is True
+    rows = {r["scenario"]: r for r in summary_rows([result])}
+    assert "host_tier" in rows and all(r["verdict"] == "pass" for r in rows.values()), rows
+    samples = pd.read_parquet(tmp_path / "out" / "samples.parquet")
+    host = samples[samples.scenario == "host_tier"]
+    # every prefix from the host tier, none from the device: the pressure evicted them all
+    assert (host.host_cached_tokens > 0).all() and (host.host_cached_tokens
+                                                     == host.cached_tokens).all(), host
     assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
 
 
@@ -293,6 +314,41 @@ def test_a_build_of_the_release_starts_and_serves_with_and_without_a_defect_patc
     assert built["patches"] == patches or [p["name"] for p in built["patches"]] == patches
     log = (tmp_path / "out" / "logs" / f"{CHUNKED}.log").read_text()
     assert str(manifest.parent) in log  # SGLang ran from the build, not the environment's copy
+    assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
+
+
+def test_two_releases_compared_call_39342_where_it_acts(sglang_python, tmp_path):
+    """The real-bug control: SGLang 0.5.22 (PR #39342 absent: a mixed-chunk batch drops the
+    prefill rows' Mamba tracking) against 0.5.23 (the fix), each ``evalsvc run --source`` as a
+    user types it, into one store. Both pass their own limits (the bug measures about 1.2e-4
+    under 5e-4); the two builds' comparison pairs their samples and calls a regression on
+    mixed_hit's extend, where the bug acts, and on nothing else."""
+    from evalsvc.store.db import Store
+    from evalsvc.store.queries import find_build
+    from evalsvc.verdicts import compare_builds
+
+    matrix = yaml.safe_load((ROOT / "evalsvc" / "configs" / "sglang-cpu-full.yaml").read_text())
+    matrix.update(name="sglang-cpu-mixed", scenarios=["prefill_hit", "mixed_hit"])
+    file = tmp_path / "sglang-cpu-mixed.yaml"
+    file.write_text(yaml.safe_dump(matrix))
+    env = {**os.environ, "EVALSVC_DATA_DIR": str(tmp_path / "data"), MARK: tmp_path.name}
+    for version in ("0.5.23", "0.5.22"):
+        out = subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "evalsvc"), "run", str(file), "--engine", "sglang",
+             "--engine-python", str(sglang_python), "--source", f"sglang=={version}",
+             "--config", "qwen3-next-tiny-eb-ov-c128-mixed", "--out", str(tmp_path / version)],
+            env=env, capture_output=True, text=True, timeout=1500)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    store = Store(f"sqlite:///{tmp_path / 'data' / 'evalsvc.db'}")
+    with store.session() as s:
+        fixed, buggy = (find_build(s, f"sgl-project/sglang=={v}").id for v in ("0.5.23", "0.5.22"))
+        rows = {r.scenario: r for r in compare_builds(s, fixed, buggy,
+                                                      metric="extend_kl_k3_mean")}
+    store.engine.dispose()
+    assert set(rows) == {"prefill_hit", "mixed_hit"}
+    assert rows["mixed_hit"].paired_verdict == "regression", rows["mixed_hit"]
+    assert rows["mixed_hit"].contender > 10 * rows["mixed_hit"].baseline, rows["mixed_hit"]
+    assert rows["prefill_hit"].paired_verdict == "pass", rows["prefill_hit"]
     assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
 
 

@@ -16,9 +16,9 @@ from rich.console import Console
 from sqlalchemy import func, select
 
 from evalsvc.engines.base import EngineSpec
-from evalsvc.evaluate import evaluate, prepare
+from evalsvc.evaluate import prepare, run_local
 from evalsvc.harness import EnginePool
-from evalsvc.jobs.record import JobRecord
+from evalsvc.jobs.builds import ReadyBuild
 from evalsvc.jobs.spec import BuildSpec, JobSpec
 from evalsvc.matrix import MatrixFile, load_matrix
 from evalsvc.store.db import Store
@@ -92,17 +92,15 @@ def evaluate_recorded(store: Store, matrix: MatrixFile, configs: list[str] | Non
     cfgs, prompts = prepare(matrix, spec, model_override=model)
     if configs:
         cfgs = [c for c in cfgs if c.name in configs]
-    record = JobRecord.start(
-        store, work / "results", f"{label}-{seed}", "cli",
-        BuildRef(f"bench/{spec.kind}", version=label, committed_at=START + timedelta(days=day)),
-        matrix, cfgs, spec=JobSpec(matrix_name=matrix.name, matrix=matrix, engine=spec.kind,
-                                   builds=[BuildSpec()], track=track).stored())
-    try:
-        evaluate(matrix, cfgs, prompts, spec, work / label, Console(quiet=True), engines=engines,
-                 on_result=record.record)
-    finally:
-        record.finish()
-    return record.run_ids
+    # recorded as ``evalsvc run`` records a job: its runs planned, each judged with its history as
+    # it ends, the job's end written
+    ref = BuildRef(f"bench/{spec.kind}", version=label, committed_at=START + timedelta(days=day))
+    job = JobSpec(matrix_name=matrix.name, matrix=matrix, engine=spec.kind, builds=[BuildSpec()],
+                  track=track)
+    outcome = run_local(f"{label}-{seed}", job, spec, cfgs, prompts, work / label,
+                        Console(quiet=True), engines=engines, store=store,
+                        results_dir=work / "results", build=ReadyBuild(spec, ref, None))
+    return [p.run_id for p in outcome.planned]
 
 
 def verdict_counts(store: Store) -> dict[str, Any]:

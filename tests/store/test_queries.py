@@ -81,18 +81,18 @@ def history(module_db_url, tmp_path_factory) -> Iterator[History]:
 def test_metric_history_of_a_fingerprint_in_commit_time_order(history):
     with history.store.session() as s:
         rows = metric_history(s, fingerprint=fingerprint_of("cfg-a"))
-    assert [(r["commit"], r["scenario"]) for r in rows] == [
+    assert [(r.commit, r.scenario) for r in rows] == [
         (ref(i), sc) for i in range(5) for sc in SCENARIOS]
-    assert [r["value"] for r in rows] == pytest.approx(
+    assert [r.value for r in rows] == pytest.approx(
         [kl(i, "cfg-a", sc) for i in range(5) for sc in SCENARIOS])
-    assert [as_utc(r["committed_at"]) for r in rows[::2]] == [
+    assert [as_utc(r.committed_at) for r in rows[::2]] == [
         BASE_TIME + timedelta(hours=i) for i in range(5)]
     first = rows[0]
-    assert set(first) == {"commit", "sha", "version", "committed_at", "patch_set", "run_id",
+    assert set(first.model_dump()) == {"commit", "sha", "version", "committed_at", "patch_set", "run_id",
                           "fingerprint", "config", "scenario", "value", "ci_low", "ci_high", "count"}
-    assert (first["sha"], first["version"], first["patch_set"], first["config"]) == ("c0", None, "", "cfg-a")
-    assert first["run_id"] == history.runs[(0, "cfg-a", False)]
-    assert first["count"] == 3 and first["ci_low"] <= first["value"] <= first["ci_high"]
+    assert (first.sha, first.version, first.patch_set, first.config) == ("c0", None, "", "cfg-a")
+    assert first.run_id == history.runs[(0, "cfg-a", False)]
+    assert first.count == 3 and first.ci_low <= first.value <= first.ci_high
 
 
 def test_metric_history_by_config_name_and_scenario(history):
@@ -102,9 +102,9 @@ def test_metric_history_by_config_name_and_scenario(history):
         other = metric_history(s, "hit_coverage", config="cfg-b", scenario="prefill_hit")
         limited = metric_history(s, config="cfg-b", scenario="cold", limit=2)
     assert by_fp == by_name
-    assert [r["run_id"] for r in by_name] == [history.runs[(i, "cfg-b", False)] for i in range(5)]
-    assert {r["scenario"] for r in by_name} == {"cold"}
-    assert [r["value"] for r in other] == [1.0] * 5 and {r["count"] for r in other} == {None}
+    assert [r.run_id for r in by_name] == [history.runs[(i, "cfg-b", False)] for i in range(5)]
+    assert {r.scenario for r in by_name} == {"cold"}
+    assert [r.value for r in other] == [1.0] * 5 and {r.count for r in other} == {None}
     assert limited == by_name[:2]
 
 
@@ -113,9 +113,9 @@ def test_metric_history_filters_by_patch_set(history):
         patched = metric_history(s, config="cfg-c", scenario="cold", patch_set="fix-a,fix-b")
         both = metric_history(s, config="cfg-c", scenario="cold", patch_set=None)
         none = metric_history(s, config="cfg-c", patch_set="fix-a")
-    assert [(r["commit"], r["patch_set"]) for r in patched] == [(ref(2), "fix-a,fix-b")]
-    assert patched[0]["value"] == pytest.approx(kl(2, "cfg-c", "cold", True))
-    assert [(r["commit"], r["patch_set"]) for r in both] == [
+    assert [(r.commit, r.patch_set) for r in patched] == [(ref(2), "fix-a,fix-b")]
+    assert patched[0].value == pytest.approx(kl(2, "cfg-c", "cold", True))
+    assert [(r.commit, r.patch_set) for r in both] == [
         (ref(0), ""), (ref(1), ""), (ref(2), ""), (ref(2), "fix-a,fix-b"), (ref(3), ""), (ref(4), "")]
     assert none == []
 
@@ -130,16 +130,17 @@ def test_latest_per_config(history):
         rows = latest_per_config(s)
     # commit 4 is the newest though commit 3's runs were recorded last; the patched build of
     # commit 2 is a series of its own, not hidden behind the newer unpatched commits
-    assert [(r["config"], r["commit"], r["patch_set"]) for r in rows] == [
+    assert [(r.config, r.commit, r.patch_set) for r in rows] == [
         (c, ref(i), p) for c in CONFIGS for i, p in ((4, ""), (2, "fix-a,fix-b"))] + [
         ("cfg-full", ref(1), "")]
-    assert [r["run_id"] for r in rows] == [
+    assert [r.run_id for r in rows] == [
         history.runs[(i, c, patched)] for c in CONFIGS for i, patched in ((4, False), (2, True))
     ] + [history.runs[(1, "cfg-full", False)]]
     a = rows[0]
-    assert set(a) == {"run_id", "config", "fingerprint", "commit", "patch_set", "verdict", "scenarios"}
-    assert a["fingerprint"] == fingerprint_of("cfg-a") and a["patch_set"] == ""
-    assert a["verdict"] == "pass" and a["scenarios"] == {"cold": "pass", "prefill_hit": "pass"}
+    assert set(a.model_dump()) == {"run_id", "config", "fingerprint", "commit", "patch_set",
+                                   "verdict", "scenarios"}
+    assert a.fingerprint == fingerprint_of("cfg-a") and a.patch_set == ""
+    assert a.verdict == "pass" and a.scenarios == {"cold": "pass", "prefill_hit": "pass"}
 
 
 def test_latest_per_config_by_matrix_and_branch(history):
@@ -150,14 +151,14 @@ def test_latest_per_config_by_matrix_and_branch(history):
         main_smoke = latest_per_config(s, matrix="smoke", branch="main")
         release = latest_per_config(s, branch="release")
         nothing = latest_per_config(s, matrix="nightly")
-    assert [(r["config"], r["commit"]) for r in smoke] == [
+    assert [(r.config, r.commit) for r in smoke] == [
         (c, ref(i)) for c in CONFIGS for i in (4, 2)]
-    assert [(r["config"], r["commit"]) for r in full] == [("cfg-full", ref(1))]
-    assert [(r["config"], r["commit"]) for r in main] == [
+    assert [(r.config, r.commit) for r in full] == [("cfg-full", ref(1))]
+    assert [(r.config, r.commit) for r in main] == [
         (c, ref(i)) for c in CONFIGS for i in (3, 2)] + [("cfg-full", ref(1))]
-    assert [(r["config"], r["commit"]) for r in main_smoke] == [
+    assert [(r.config, r.commit) for r in main_smoke] == [
         (c, ref(i)) for c in CONFIGS for i in (3, 2)]
-    assert [r["run_id"] for r in release] == [history.runs[(4, c, False)] for c in CONFIGS]
+    assert [r.run_id for r in release] == [history.runs[(4, c, False)] for c in CONFIGS]
     assert nothing == []
 
 
@@ -169,8 +170,8 @@ def test_latest_per_config_same_commit_newest_recording_wins(store, results_dir)
     [again] = record(store, results_dir, "job-2", build, [run_result("cfg-a", {"cold": [0.2] * 3})])
     with store.session() as s:
         [a] = latest_per_config(s)
-    assert a["run_id"] == again and again not in (first, older)
-    assert a["verdict"] == "fail" and a["scenarios"] == {"cold": "fail"}
+    assert a.run_id == again and again not in (first, older)
+    assert a.verdict == "fail" and a.scenarios == {"cold": "fail"}
 
 
 def test_find_build(history):
@@ -211,17 +212,17 @@ def test_compare_paired_interval_contains_the_shift_and_excludes_zero(store, res
     b, c = compare_pair(store, results_dir, list(base), list(cont))
     with store.session() as s:
         [row] = compare(s, b, c)
-    assert row["config"] == "cfg-a" and row["scenario"] == "cold"
-    assert row["fingerprint"] == fingerprint_of("cfg-a")
-    assert row["baseline"] == pytest.approx(base.mean())
-    assert row["contender"] == pytest.approx(cont.mean())
-    assert row["delta"] == pytest.approx(row["contender"] - row["baseline"])
-    assert row["paired_samples"] == N
-    assert row["ci_low"] <= shift <= row["ci_high"]
-    assert row["ci_low"] <= row["delta"] <= row["ci_high"]
-    assert (row["ci_low"] > 0) if shift > 0 else (row["ci_high"] < 0)
+    assert row.config == "cfg-a" and row.scenario == "cold"
+    assert row.fingerprint == fingerprint_of("cfg-a")
+    assert row.baseline == pytest.approx(base.mean())
+    assert row.contender == pytest.approx(cont.mean())
+    assert row.delta == pytest.approx(row.contender - row.baseline)
+    assert row.paired_samples == N
+    assert row.ci_low <= shift <= row.ci_high
+    assert row.ci_low <= row.delta <= row.ci_high
+    assert (row.ci_low > 0) if shift > 0 else (row.ci_high < 0)
     # much narrower than the spread between samples: the pairing took the difficulty out
-    assert row["ci_high"] - row["ci_low"] < 1e-4
+    assert row.ci_high - row.ci_low < 1e-4
 
 
 def test_compare_pairs_samples_by_id_not_order(store, results_dir):
@@ -232,9 +233,9 @@ def test_compare_pairs_samples_by_id_not_order(store, results_dir):
                         cont_ids=[ids[i] for i in order])
     with store.session() as s:
         [row] = compare(s, b, c)
-    assert row["paired_samples"] == N
-    assert row["ci_low"] <= 2e-4 <= row["ci_high"] and row["ci_low"] > 0
-    assert row["ci_high"] - row["ci_low"] < 1e-4
+    assert row.paired_samples == N
+    assert row.ci_low <= 2e-4 <= row.ci_high and row.ci_low > 0
+    assert row.ci_high - row.ci_low < 1e-4
 
 
 def test_compare_small_shift_interval_contains_zero(store, results_dir):
@@ -242,7 +243,7 @@ def test_compare_small_shift_interval_contains_zero(store, results_dir):
     b, c = compare_pair(store, results_dir, list(base), list(cont))
     with store.session() as s:
         [row] = compare(s, b, c)
-    assert row["ci_low"] <= 0 <= row["ci_high"]
+    assert row.ci_low <= 0 <= row.ci_high
 
 
 def test_compare_without_samples_has_no_interval(store, results_dir):
@@ -253,10 +254,10 @@ def test_compare_without_samples_has_no_interval(store, results_dir):
         rows = compare(s, b, c)
         other_metric = compare(s, b, b, metric="hit_coverage")
     [row] = rows  # cfg-b has no contender run: not compared
-    assert row["delta"] == pytest.approx(cont.mean() - base.mean())
-    assert (row["ci_low"], row["ci_high"], row["paired_samples"]) == (None, None, 0)
+    assert row.delta == pytest.approx(cont.mean() - base.mean())
+    assert (row.ci_low, row.ci_high, row.paired_samples) == (None, None, 0)
     # a metric without per-sample values: values and delta, no interval
-    assert [(r["config"], r["delta"], r["ci_low"]) for r in other_metric] == [
+    assert [(r.config, r.delta, r.ci_low) for r in other_metric] == [
         ("cfg-a", 0.0, None), ("cfg-b", 0.0, None)]
 
 
@@ -266,7 +267,7 @@ def test_compare_with_disjoint_samples_has_no_interval(store, results_dir):
                         cont_ids=[f"other-{i}" for i in range(N)])
     with store.session() as s:
         [row] = compare(s, b, c)
-    assert row["delta"] is not None and row["ci_low"] is None and row["paired_samples"] == 0
+    assert row.delta is not None and row.ci_low is None and row.paired_samples == 0
 
 
 def test_compare_intervals_are_paired_difference_ci(store, results_dir):
@@ -283,25 +284,25 @@ def test_compare_intervals_are_paired_difference_ci(store, results_dir):
     with store.session() as s:
         rows = compare(s, find_build(s, "sgl-project/sglang@base").id,
                        find_build(s, "sgl-project/sglang@base", "fix").id)
-    assert [(r["config"], r["scenario"]) for r in rows] == [(c, sc) for c in sizes for sc in sorted(shifts)]
+    assert [(r.config, r.scenario) for r in rows] == [(c, sc) for c in sizes for sc in sorted(shifts)]
     for r in rows:
-        b, c = base_vals[(r["config"], r["scenario"])], cont_vals[(r["config"], r["scenario"])]
+        b, c = base_vals[(r.config, r.scenario)], cont_vals[(r.config, r.scenario)]
         _, low, high = paired_difference_ci(b, c, confidence=0.95, n_boot=1000)
-        assert (r["ci_low"], r["ci_high"]) == pytest.approx((low, high), rel=1e-12, abs=1e-15)
-        assert r["paired_samples"] == b.size
-        assert r["delta"] == pytest.approx(c.mean() - b.mean())
+        assert (r.ci_low, r.ci_high) == pytest.approx((low, high), rel=1e-12, abs=1e-15)
+        assert r.paired_samples == b.size
+        assert r.delta == pytest.approx(c.mean() - b.mean())
 
 
 def test_compare_across_commits(history):
     with history.store.session() as s:
         rows = compare(s, find_build(s, ref(0)).id, find_build(s, ref(3)).id)
-    assert [(r["config"], r["scenario"]) for r in rows] == [(c, sc) for c in CONFIGS for sc in SCENARIOS]
+    assert [(r.config, r.scenario) for r in rows] == [(c, sc) for c in CONFIGS for sc in SCENARIOS]
     for r in rows:
-        config, scen = r["config"], r["scenario"]
-        assert r["delta"] == pytest.approx(kl(3, config, scen) - kl(0, config, scen))
+        config, scen = r.config, r.scenario
+        assert r.delta == pytest.approx(kl(3, config, scen) - kl(0, config, scen))
         # every sample of a run has the same value: a degenerate interval at the shift
-        assert r["ci_low"] == pytest.approx(r["delta"]) and r["ci_high"] == pytest.approx(r["delta"])
-        assert r["paired_samples"] == 3
+        assert r.ci_low == pytest.approx(r.delta) and r.ci_high == pytest.approx(r.delta)
+        assert r.paired_samples == 3
 
 
 # --- details and golden runs -----------------------------------------------------------------
@@ -311,21 +312,21 @@ def test_job_detail(history):
     with history.store.session() as s:
         d = job_detail(s, "job-c3")
         assert job_detail(s, "no-such-job") is None
-    assert set(d) == {"id", "trigger", "status", "priority", "spec", "created_at", "started_at",
+    assert set(d.model_dump()) == {"id", "trigger", "status", "priority", "spec", "created_at", "started_at",
                       "finished_at", "cancel_requested_at", "error", "runs_errored", "runs"}
-    assert (d["id"], d["trigger"], d["status"], d["priority"], d["spec"], d["error"],
-            d["runs_errored"]) == ("job-c3", "cli", "done", 0, {"matrix": "smoke"}, None, 0)
-    assert as_utc(d["started_at"]) <= as_utc(d["finished_at"])
-    assert as_utc(d["finished_at"]) <= datetime.now(UTC)
-    assert d["cancel_requested_at"] is None  # never cancelled
-    assert [r["config"] for r in d["runs"]] == list(CONFIGS)
-    run = d["runs"][0]
-    assert set(run) == {"id", "config", "fingerprint", "build_id", "build", "status", "verdict",
+    assert (d.id, d.trigger, d.status, d.priority, d.spec, d.error,
+            d.runs_errored) == ("job-c3", "cli", "done", 0, {"matrix": "smoke"}, None, 0)
+    assert as_utc(d.started_at) <= as_utc(d.finished_at)
+    assert as_utc(d.finished_at) <= datetime.now(UTC)
+    assert d.cancel_requested_at is None  # never cancelled
+    assert [r.config for r in d.runs] == list(CONFIGS)
+    run = d.runs[0]
+    assert set(run.model_dump()) == {"id", "config", "fingerprint", "build_id", "build", "status", "verdict",
                         "reason", "scenarios"}
-    assert run["build"].startswith("sgl-project/sglang") and "+" not in run["build"]  # unpatched
-    assert run["id"] == history.runs[(3, "cfg-a", False)]
-    assert (run["status"], run["verdict"], run["reason"]) == ("done", "pass", None)
-    assert run["scenarios"] == {"cold": "pass", "prefill_hit": "pass"}
+    assert run.build.startswith("sgl-project/sglang") and "+" not in run.build  # unpatched
+    assert run.id == history.runs[(3, "cfg-a", False)]
+    assert (run.status, run.verdict, run.reason) == ("done", "pass", None)
+    assert run.scenarios == {"cold": "pass", "prefill_hit": "pass"}
 
 
 def test_run_detail(history):
@@ -334,24 +335,24 @@ def test_run_detail(history):
         d = run_detail(s, rid)
         assert run_detail(s, 10**9) is None
         assert scenario_verdicts(s, rid) == {"cold": "fail", "prefill_hit": "fail"}
-    assert d["id"] == rid and d["job_id"] == "job-c2-patched"
-    assert (d["config"], d["matrix"], d["model"], d["fingerprint"]) == (
+    assert d.id == rid and d.job_id == "job-c2-patched"
+    assert (d.config, d.matrix, d.model, d.fingerprint) == (
         "cfg-b", "smoke", "hybrid-mamba2-tiny", fingerprint_of("cfg-b"))
-    assert (d["commit"], d["patch_set"], d["status"], d["verdict"]) == (ref(2), "fix-a,fix-b", "done", "fail")
-    assert "above" in d["reason"]
-    assert d["settings"]["strategy"] == "extra_buffer" and d["reference"] == {"kind": "same_server"}
-    assert d["command"][:3] == ["python", "-m", "evalsvc.cli"]
-    assert d["samples_path"].endswith(f"job-c2-patched/{fingerprint_of('cfg-b')}.parquet")
-    assert [x["scenario"] for x in d["scenarios"]] == list(SCENARIOS)
-    cold = d["scenarios"][0]
-    assert (cold["verdict"], cold["seconds"]) == ("fail", 1.25)
-    k3 = cold["metrics"]["kl_k3_mean"]
-    assert set(k3) == {"value", "ci_low", "ci_high", "count"}
-    assert k3["value"] == pytest.approx(kl(2, "cfg-b", "cold", True)) and k3["count"] == 3
-    assert cold["metrics"]["hit_coverage"]["value"] == 0.0
-    assert cold["metrics"]["hit_coverage"]["ci_low"] is None  # every metric has the same shape
-    assert cold["metrics"]["first_divergence_min"]["value"] == 0.0
-    assert "kl_k3_ci_low" not in cold["metrics"]
+    assert (d.commit, d.patch_set, d.status, d.verdict) == (ref(2), "fix-a,fix-b", "done", "fail")
+    assert "above" in d.reason
+    assert d.settings["strategy"] == "extra_buffer" and d.reference == {"kind": "same_server"}
+    assert d.command[:3] == ["python", "-m", "evalsvc.cli"]
+    assert d.samples_path.endswith(f"job-c2-patched/{fingerprint_of('cfg-b')}.parquet")
+    assert [x.scenario for x in d.scenarios] == list(SCENARIOS)
+    cold = d.scenarios[0]
+    assert (cold.verdict, cold.seconds) == ("fail", 1.25)
+    k3 = cold.metrics["kl_k3_mean"]
+    assert set(k3.model_dump()) == {"value", "ci_low", "ci_high", "count"}
+    assert k3.value == pytest.approx(kl(2, "cfg-b", "cold", True)) and k3.count == 3
+    assert cold.metrics["hit_coverage"].value == 0.0
+    assert cold.metrics["hit_coverage"].ci_low is None  # every metric has the same shape
+    assert cold.metrics["first_divergence_min"].value == 0.0
+    assert "kl_k3_ci_low" not in cold.metrics
 
 
 def test_set_golden_replaces_the_golden_run_of_a_fingerprint(store, results_dir):
@@ -371,7 +372,7 @@ def test_set_golden_replaces_the_golden_run_of_a_fingerprint(store, results_dir)
         assert again.id == first.id  # replaced in place: one golden run per fingerprint
     with store.session() as s:
         rows = golden_runs(s)
-    assert rows == [
+    assert [r.model_dump() for r in rows] == [
         {"fingerprint": fingerprint_of("cfg-a"), "run_id": runs[(1, "cfg-a")], "label": None,
          "config": "cfg-a"},
         {"fingerprint": fingerprint_of("cfg-b"), "run_id": runs[(2, "cfg-b")], "label": "after the fix",
@@ -393,5 +394,5 @@ def test_commit_summaries_count_each_configs_latest_run(store, results_dir):
     record(store, results_dir, "job-3", patched, [run_result("cfg-a", {"cold": [0.5, 0.5]})])
     with store.session() as s:
         (summary,) = commit_summaries(s)
-    assert summary["builds"] == {"": {"pass": 2},
+    assert summary.builds == {"": {"pass": 2},
                                  "pr37165-clear-deferred-mamba-metadata": {"fail": 1}}

@@ -109,22 +109,22 @@ def test_a_comparison_of_two_builds_is_judged_by_paired_samples(store, tmp_path)
         worse = find_build(s, "sgl-project/sglang@base", "fix").id
         alike = find_build(s, "sgl-project/sglang@other").id
         [row] = compare_builds(s, base, worse)
-        assert (row["paired_verdict"], row["paired_test"]) == ("regression", "paired_t"), row
-        assert "against" in row["paired_reason"]
+        assert (row.paired_verdict, row.paired_test) == ("regression", "paired_t"), row
+        assert "against" in row.paired_reason
         # the whole judgement, for a page to show the test's own statistic and interval
-        paired = row["paired"]
-        assert (paired["metric"], paired["method"], paired["verdict"]) == (
+        paired = row.paired
+        assert (paired.metric, paired.method, paired.verdict) == (
             "kl_k3_mean", "history", "regression")
-        assert paired["evidence"]["scale"] == "log" and paired["evidence"]["confidence"] > 0.9
-        low, high = paired["evidence"]["location_interval"]
-        assert 0 < low < high and paired["diff_low"] < paired["evidence"]["diff"]
-        json.dumps(row, allow_nan=False)  # as the API sends it
+        assert paired.evidence["scale"] == "log" and paired.evidence["confidence"] > 0.9
+        low, high = paired.evidence["location_interval"]
+        assert 0 < low < high and paired.diff_low < paired.evidence["diff"]
+        json.dumps(row.model_dump(mode="json"), allow_nan=False)  # as the API sends it
         [same] = compare_builds(s, base, alike)
-        assert same["paired_verdict"] == "pass"
+        assert same.paired_verdict == "pass"
         [improved] = compare_builds(s, worse, base)
-        assert improved["paired_verdict"] == "improvement"
+        assert improved.paired_verdict == "improvement"
         [other] = compare_builds(s, base, worse, metric="hit_coverage")
-        assert other["paired_verdict"] is None and other["paired"] is None
+        assert other.paired_verdict is None and other.paired is None
 
 
 def test_scenarios_where_one_defect_acts_are_judged_together_too(store, tmp_path):

@@ -78,7 +78,7 @@ def test_run_records_its_job_and_the_defects_as_patch_set(tmp_path):
             assert len(s.scalars(select(SampleRow).where(SampleRow.run_id == clean.id)).all()) == 2
 
             detail = job_detail(s, jobs[0].id)
-            assert [r["scenarios"] for r in detail["runs"]] == [{"cold": "pass"}]
+            assert [r.scenarios for r in detail.runs] == [{"cold": "pass"}]
             path = clean.samples_path
         assert path.startswith(str(tmp_path / "data" / "results" / jobs[0].id))
         tokens = pd.read_parquet(path)
