@@ -27,6 +27,7 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.pool import NullPool
 
+from evalsvc.engines.launch import group_listens_on
 from evalsvc.store.lock import StoreLock, StoreLocked
 from evalsvc.store.models import Run
 from evalsvc.tls import tls_context
@@ -87,22 +88,46 @@ def engine_port(service: Service, pid: int) -> int | None:
 def serving_engine(service: Service, db_url: str, timeout: float = 120,
                    config: str | None = None) -> tuple[int, int]:
     """Waits for a running run (of ``config``, when given) whose engine (the pid on its row, one
-    of the service's marked processes) answers its health check; returns (run id, engine pid)."""
+    of the service's marked processes) is up: it answers ``/ping`` (which generates nothing, so
+    it answers at once however busy the engine is) on a port its own process group listens on
+    (not another test's engine that took the port first). Returns (run id, engine pid)."""
     deadline = time.monotonic() + timeout
     while True:
         running = [r for r in run_rows(db_url) if r.status == "running" and r.engine_pid
                    and config in (None, r.config)]
         for run in running:
             port = engine_port(service, run.engine_pid)
-            if port is not None:
+            if port is not None and group_listens_on(run.engine_pid, port):
                 try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health_generate",
-                                 timeout=5, verify=tls_context()).status_code == 200:
+                    if httpx.get(f"http://127.0.0.1:{port}/ping", timeout=5,
+                                 verify=tls_context()).status_code == 200:
                         return run.id, run.engine_pid
                 except httpx.HTTPError:
                     pass
         assert time.monotonic() < deadline, (running, service.engines(), service.log())
         time.sleep(0.2)
+
+
+def metric(port: int, name: str) -> float:
+    """One of an engine's Prometheus metrics (``/metrics``, SGLang's names)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, verify=tls_context()).text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"no {name} in the engine's metrics"
+    return float(m.group(1))
+
+
+def working_engine(service: Service, db_url: str, config: str, timeout: float = 120) -> tuple[int, int]:
+    """A run's engine while it serves the workload: a request in flight and prompt tokens beyond
+    the health checks' one each (``serving_engine``, then its metrics). A fault sent now lands
+    mid-scenario, not after the last one (when nothing the run still asks of it would notice)."""
+    run_id, pid = serving_engine(service, db_url, timeout, config)
+    port = engine_port(service, pid)
+    deadline = time.monotonic() + timeout
+    while not (metric(port, "sglang:num_running_reqs") > 0
+               and metric(port, "sglang:prompt_tokens_total") > 64):
+        assert time.monotonic() < deadline, service.log()
+        time.sleep(0.02)
+    return run_id, pid
 
 
 def stopped_ok(service: Service) -> None:
@@ -153,11 +178,10 @@ def test_killed_service_resumes_and_records_each_run_once(service_factory, tmp_p
 def test_killed_engine_fails_its_run_only(service_factory, tmp_path):
     db = f"sqlite:///{tmp_path / 'engine.db'}"
     service = service_factory(db).start()
-    # a workload that keeps the engine busy for many seconds: with SMALL's, a loaded machine
-    # once let the run end its four scenarios before the test, polling, saw its engine answer
-    # (the row still running until the run was recorded), and the kill landed after the work
+    # a workload that keeps the engine busy for seconds, and the kill sent while a request of it
+    # runs: twice in CI the kill landed after the run's last scenario, and the run passed
     job_id = service.submit(job_body(workload={"num_prompts": 8, "max_new_tokens": 32}))
-    run_id, pid = serving_engine(service, db, config=LONG)
+    run_id, pid = working_engine(service, db, config=LONG)
     os.kill(pid, signal.SIGKILL)
 
     job = service.wait(job_id, timeout=300)
