@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from evalsvc import metrics
-from evalsvc.engines.base import EngineSpec, launch
+from evalsvc.engines.base import EngineSpec, spawn
 from evalsvc.engines.client import EngineClient, ScenarioError
 from evalsvc.engines.launch import EngineProcess, EngineStartError, PortInUseError, free_port
 from evalsvc.engines.registry import engine_kind
@@ -53,9 +53,10 @@ DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergenc
 
 class RunControl:
     """Lets another thread watch a run's engine and stop the run (cancel): the engine's process
-    group is stopped at once, and no further scenario starts."""
+    group is stopped at once, and no further scenario starts. ``on_engine(pid)`` as soon as the
+    run's engine process exists (the dispatcher's caller records it)."""
 
-    def __init__(self, on_engine=None) -> None:
+    def __init__(self, on_engine: Callable[[int], None] | None = None) -> None:
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._on_engine = on_engine
@@ -69,7 +70,7 @@ class RunControl:
         with self._lock:
             self.proc = proc
             if self._on_engine is not None:
-                self._on_engine(proc)
+                self._on_engine(proc.proc.pid)
             if self.cancelled:
                 proc.stop()
 
@@ -377,16 +378,26 @@ def exited(proc: EngineProcess, wait: float = 0.5) -> bool:
 
 def start_engine(config: Config, spec: EngineSpec, log_path: Path | None, attempts: int = 2,
                  on_spawn=None) -> EngineProcess:
-    """Launch on a free port; another port if the one picked was taken meanwhile."""
+    """Launch on a free port (another port if the one picked was taken meanwhile) and wait until
+    it is healthy; ``on_spawn(proc)`` as soon as its process exists (a stop during start-up kills
+    it). A start that fails stops its process."""
     for attempt in range(attempts):
         port = free_port()
         log.info("run %s: starting engine on port %d", config.name, port)
+        proc = spawn(spec, config.args, port, log_path)
         try:
-            return launch(spec, config.args, port, log_path, on_spawn=on_spawn)
+            if on_spawn is not None:
+                on_spawn(proc)
+            proc.wait_ready()
+            return proc
         except PortInUseError as exc:
+            proc.stop()
             if attempt == attempts - 1:
                 raise
             log.warning("run %s: %s; trying another port", config.name, str(exc).split(":")[0])
+        except BaseException:
+            proc.stop()
+            raise
     raise AssertionError("unreachable")
 
 

@@ -32,7 +32,6 @@ from rich.console import Console
 from evalsvc import harness
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.client import EngineClient
-from evalsvc.engines.launch import EngineProcess
 from evalsvc.evaluate import evaluate, prepare
 from evalsvc.harness import RunResult
 from evalsvc.matrix import Config, MatrixError, MatrixFile, expand, load_matrix
@@ -379,12 +378,12 @@ def stop_at_first_batch(monkeypatch: pytest.MonkeyPatch, stopped: threading.Even
     with the requests in flight and never answered. Stopped before the batch goes out, not once
     the engine reports a request running: a batch of three 100-token prompts and 8 new tokens ends
     in a tenth of a second, and a watcher polling ``/metrics`` could miss it."""
-    engine: list[EngineProcess] = []
+    engine: list[int] = []  # its pid (the run's one engine)
     original = EngineClient.generate_many
 
     def generate_many(self: EngineClient, payloads: list[dict]):
-        if engine and self.base_url == engine[0].base_url and not stopped.is_set():
-            os.killpg(engine[0].proc.pid, signal.SIGSTOP)
+        if engine and not stopped.is_set():
+            os.killpg(engine[0], signal.SIGSTOP)
             stopped.set()
         return original(self, payloads)
 
@@ -405,7 +404,7 @@ def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path, m
         "workload": {"num_prompts": 3, "max_new_tokens": 64}, "include": [{"strategy": "auto"}]})
     stopped, pids = threading.Event(), []
     stop = stop_at_first_batch(monkeypatch, stopped)
-    control = harness.RunControl(on_engine=lambda proc: (pids.append(proc.proc.pid), stop(proc)))
+    control = harness.RunControl(on_engine=lambda pid: (pids.append(pid), stop(pid)))
     t0 = time.monotonic()
     r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control)
@@ -430,9 +429,9 @@ def test_engine_stopped_at_start_is_an_error_at_the_deadline(tmp_path, no_engine
                                                  "include": [{"strategy": "auto"}]})
     pids = []
 
-    def freeze(proc: EngineProcess) -> None:
-        pids.append(proc.proc.pid)
-        os.killpg(proc.proc.pid, signal.SIGSTOP)
+    def freeze(pid: int) -> None:
+        pids.append(pid)
+        os.killpg(pid, signal.SIGSTOP)
 
     t0 = time.monotonic()
     r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path,
@@ -454,7 +453,7 @@ def test_request_timeouts_are_sized_to_the_work(tmp_path, monkeypatch, no_engine
     matrix, configs = load(tmp_path / "m.yaml", {**EMBEDDED, "include": [{"strategy": "auto"}]})
     frozen, pids = threading.Event(), []
     stop = stop_at_first_batch(monkeypatch, frozen)
-    control = harness.RunControl(on_engine=lambda proc: (pids.append(proc.proc.pid), stop(proc)))
+    control = harness.RunControl(on_engine=lambda pid: (pids.append(pid), stop(pid)))
     r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control, run_timeout_s=1800)
     allowed = work_seconds([{"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}

@@ -3,6 +3,7 @@ at once, no engine), and both the job service and ``evalsvc run`` going through 
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -93,9 +94,10 @@ def test_a_run_that_raises_fails_the_job_naming_it_and_the_others_go_on(tmp_path
 
 def test_a_cancelled_job_hands_no_run_over(tmp_path):
     dispatcher = Answering()
+    cancelled = threading.Event()
+    cancelled.set()
     with pytest.raises(JobCancelled):
-        run_job("api-x", smoke_job(), dispatcher, None, options(tmp_path,
-                                                                 cancelled=lambda: True))
+        run_job("api-x", smoke_job(), dispatcher, None, options(tmp_path, cancelled=cancelled))
     assert dispatcher.tasks == []
 
 
@@ -143,7 +145,11 @@ def test_the_service_and_evalsvc_run_go_through_run_job(tmp_path, monkeypatch):
     assert all(isinstance(spec, JobSpec) and spec.matrix_name == "smoke"
                and spec.configs == CONFIGS for _, spec, _ in calls)
     service_opts, cli_opts, dry_opts = (opts for _, _, opts in calls)
-    assert service_opts.prepare is not None and not service_opts.dry_run
+    # the service's builds made where its runs go, its cancel and shutdown seen as events
+    assert service_opts.builds is None and not service_opts.dry_run
+    assert service_opts.builds_dir == settings.resolved_builds_dir()
+    assert service_opts.stopping is service._stop and service_opts.counters is service.counters
+    assert not service_opts.cancelled.is_set()
     assert cli_opts.trigger == "cli" and cli_opts.per_model_errors and not cli_opts.dry_run
     assert dry_opts.dry_run
 

@@ -29,7 +29,7 @@ class LocalDispatcher:
 
     def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
                on_engine: Callable[[int], None] | None = None) -> Future:
-        control = RunControl(on_engine=(lambda proc: on_engine(proc.proc.pid)) if on_engine else None)
+        control = RunControl(on_engine)
         with self._lock:
             self._controls[task.run_id] = (task.job_id, control)
         return self._pool.submit(self._run, task, control, on_start)

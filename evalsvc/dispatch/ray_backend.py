@@ -286,7 +286,7 @@ def run_on_worker(wire: dict[str, Any], board, slot_resource: str) -> dict[str, 
     log_dir = run_dir(task.run_id)
     local = task.model_copy(update={"engine": engine, "log_dir": str(log_dir)})
     key = machine_key()
-    control = RunControl(on_engine=lambda proc: report("engine", pid=proc.proc.pid, machine=key))
+    control = RunControl(on_engine=lambda pid: report("engine", pid=pid, machine=key))
     done = threading.Event()
 
     def watch() -> None:

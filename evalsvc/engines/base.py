@@ -7,7 +7,6 @@ starts them. ``EngineSpec`` says which engine (and for SGLang, which python and 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,17 +39,22 @@ def engine_command(spec: EngineSpec, args: dict[str, Any], port: int) -> list[st
                                           version=spec.version, host=spec.host)
 
 
-def launch(spec: EngineSpec, args: dict[str, Any], port: int, log_path: Path | None,
-           on_spawn: Callable[[EngineProcess], None] | None = None) -> EngineProcess:
-    """Start a server and wait until it is healthy (raises EngineStartError with the log tail).
-    ``on_spawn(proc)`` as soon as the process exists, before it is ready."""
+def spawn(spec: EngineSpec, args: dict[str, Any], port: int,
+          log_path: Path | None) -> EngineProcess:
+    """Start a server's process; not ready yet (``EngineProcess.wait_ready``)."""
     proc = EngineProcess(engine_command(spec, args, port), port, env=spec.env, log_path=log_path,
                          startup_timeout=spec.startup_timeout, host=spec.host,
                          die_with_parent=spec.die_with_parent, unset_env=spec.unset_env)
     proc.start()
+    return proc
+
+
+def launch(spec: EngineSpec, args: dict[str, Any], port: int,
+           log_path: Path | None) -> EngineProcess:
+    """Start a server and wait until it is healthy (raises EngineStartError with the log tail;
+    the process stopped)."""
+    proc = spawn(spec, args, port, log_path)
     try:
-        if on_spawn is not None:
-            on_spawn(proc)
         proc.wait_ready()
     except BaseException:
         proc.stop()

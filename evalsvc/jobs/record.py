@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
@@ -36,6 +36,10 @@ from evalsvc.verdicts import compare_builds, run_history, stored_limits, track
 log = logging.getLogger("evalsvc.jobs")
 
 
+class JobCancelled(Exception):
+    """Raised in a job's phases once its cancel was asked (``RunOptions.cancelled``)."""
+
+
 class PlannedRun(NamedTuple):
     run_id: int
     build_id: int
@@ -44,30 +48,29 @@ class PlannedRun(NamedTuple):
 
 
 def plan_build_runs(store: Store, job_id: str, ref: BuildRef, matrix: MatrixFile | str,
-                    configs: list[Config], check: Callable[[], None] | None = None, *,
+                    configs: list[Config], cancelled: threading.Event | None = None, *,
                     engine: str | None = None, thresholds: ThresholdsFile | None = None
                     ) -> list[PlannedRun]:
     """The runs of ``configs`` on one build of a job, planned in one transaction (pending; a run
     the job has already is found, whatever its status), in order, each with the limits it is
     judged against (``judging.config_limits`` on ``engine``, default the matrix's; ``matrix``: a
-    name alone gives the thresholds' rules without the matrix file's own thresholds). ``check()``
-    is called before each config (the service's cancel)."""
+    name alone gives the thresholds' rules without the matrix file's own thresholds). ``cancelled``
+    is looked at before each config (the job's cancel: JobCancelled)."""
     name = matrix if isinstance(matrix, str) else matrix.name
     file = None if isinstance(matrix, str) else matrix
 
-    def planned(s) -> list[PlannedRun]:
-        job = s.get(Job, job_id)
-        build = ensure_build(s, ref)
-        out = []
-        for cfg in configs:
-            if check is not None:
-                check()
-            limits = judging.config_limits(cfg, file, engine=engine, thresholds=thresholds)
-            run = plan_run(s, job, build, name, cfg, limits)
-            out.append(PlannedRun(run.id, build.id, run.status, cfg))
-        return out
-
-    return store.write(planned, f"job {job_id}: its runs planned")
+    for attempt in store.attempts(f"job {job_id}: its runs planned"):
+        with attempt as s:
+            job = s.get(Job, job_id)
+            build = ensure_build(s, ref)
+            out = []
+            for cfg in configs:
+                if cancelled is not None and cancelled.is_set():
+                    raise JobCancelled(job_id)
+                limits = judging.config_limits(cfg, file, engine=engine, thresholds=thresholds)
+                run = plan_run(s, job, build, name, cfg, limits)
+                out.append(PlannedRun(run.id, build.id, run.status, cfg))
+    return out
 
 
 def judged_copy(result: RunResult) -> RunResult:
@@ -99,34 +102,31 @@ def record_result(store: Store, results_dir: Path, job_id: str, run_id: int,
     except OSError as exc:  # a full disk, a file where a folder should be
         return fail_run(store, run_id, f"its samples could not be written to {target}: "
                                        f"{describe(exc)}")
-    judged: list[RunResult] = []
-
-    def recorded(s) -> None:  # judged, then the run and its verdicts, in one transaction
-        run = s.get(Run, run_id)
-        run.finished_at = utcnow()  # its place in its series (verdicts.order_key)
-        copy = judged_copy(result)  # judged afresh on each try: ``result`` stays as measured
-        names = [sc.scenario for sc in copy.scenarios if sc.verdict in judging.JUDGED]
-        history = None
-        if copy.verdict != "cancelled":  # a cancelled run is judged on its fixed limits only
-            history = run_history(s, run, [sc.scenario for sc in copy.scenarios
-                                           if sc.verdict in judging.JUDGED and sc.metrics],
-                                  thresholds)
-        judgements = judging.judge_run(copy, stored_limits(run, [*names, judging.POOLED],
-                                                           thresholds), history)
-        record_run(s, run.job, run.build, run.matrix, copy, path, judgements)
-        spec = job_spec(run.job)
-        if spec is not None and spec.track:
-            track(s, run, list(s.scalars(select(VerdictRow).where(VerdictRow.run_id == run.id)
-                                         .order_by(VerdictRow.id))))
-        judged[:] = [copy]
-
-    try:  # a lost connection is retried first (the database server restarting)
-        store.write(recorded, f"run {run_id}: its record")
+    try:  # a lost connection is tried again first (the database server restarting)
+        for attempt in store.attempts(f"run {run_id}: its record"):
+            with attempt as s:  # judged, then the run and its verdicts, in one transaction
+                run = s.get(Run, run_id)
+                run.finished_at = utcnow()  # its place in its series (verdicts.order_key)
+                judged = judged_copy(result)  # judged afresh on each try: ``result`` as measured
+                names = [sc.scenario for sc in judged.scenarios if sc.verdict in judging.JUDGED]
+                history = None
+                if judged.verdict != "cancelled":  # judged on its fixed limits only
+                    history = run_history(s, run, [sc.scenario for sc in judged.scenarios
+                                                   if sc.verdict in judging.JUDGED
+                                                   and sc.metrics], thresholds)
+                judgements = judging.judge_run(judged, stored_limits(
+                    run, [*names, judging.POOLED], thresholds), history)
+                record_run(s, run.job, run.build, run.matrix, judged, path, judgements)
+                spec = job_spec(run.job)
+                if spec is not None and spec.track:
+                    track(s, run, list(s.scalars(select(VerdictRow)
+                                                 .where(VerdictRow.run_id == run.id)
+                                                 .order_by(VerdictRow.id))))
     except (SQLAlchemyError, OSError) as exc:
         if path is not None:
             path.unlink(missing_ok=True)
         return fail_run(store, run_id, f"it could not be recorded in the store: {describe(exc)}")
-    hand_back(result, judged[0])
+    hand_back(result, judged)
     return None
 
 
@@ -135,13 +135,12 @@ def fail_run(store: Store, run_id: int, reason: str) -> str:
     error = f"run {run_id}: {reason}"
     log.error("%s", error)
 
-    def failed(s) -> None:
-        run = s.get(Run, run_id)
-        run.status, run.verdict, run.reason = "done", "error", reason
-        run.engine_pid, run.finished_at = None, utcnow()
-
     try:
-        store.write(failed, f"run {run_id}: its failure")
+        for attempt in store.attempts(f"run {run_id}: its failure"):
+            with attempt as s:
+                run = s.get(Run, run_id)
+                run.status, run.verdict, run.reason = "done", "error", reason
+                run.engine_pid, run.finished_at = None, utcnow()
     except Exception:
         log.exception("run %d: its failure could not be written either", run_id)
     return error

@@ -14,6 +14,7 @@ before its job starts, its reference servers and progress (its own dispatcher,
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
@@ -21,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from evalsvc import judging
+from evalsvc.counters import Counters
 from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec, engine_command
-from evalsvc.jobs.builds import ReadyBuild
+from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.plan import plan_runs
-from evalsvc.jobs.record import PlannedRun, describe, fail_run, plan_build_runs, record_result
-from evalsvc.jobs.spec import BuildSpec, JobSpec
+from evalsvc.jobs.record import JobCancelled, PlannedRun, describe, fail_run, plan_build_runs, record_result
+from evalsvc.jobs.spec import JobSpec
 from evalsvc.matrix import Config
 from evalsvc.paths import inside
 from evalsvc.store.db import Store
@@ -36,14 +38,6 @@ from evalsvc.tokenization import tokenized
 from evalsvc.types import RunResult
 
 log = logging.getLogger("evalsvc.jobs")
-
-
-class JobCancelled(Exception):
-    """Raised in a job's phases once its cancel was asked (``RunOptions.cancelled``)."""
-
-
-def _never() -> bool:
-    return False
 
 
 @dataclass
@@ -56,8 +50,9 @@ class RunOptions:
     # each build's runs log in log_dir/build-BUILD (the service's); else in log_dir itself
     per_build_logs: bool = True
     run_timeout_s: float | None = None  # the default deadline of a run (the matrix's wins)
-    # how a build of the job is made ready (``jobs.builds.ready_build`` where the runs go)
-    prepare: Callable[[EngineSpec, BuildSpec], ReadyBuild] | None = None
+    # where a build of the job is made ready (``jobs.builds.ready_build``: an embedded build's
+    # mirrors; an SGLang build is made by the dispatcher, where the runs go)
+    builds_dir: Path | None = None
     builds: list[ReadyBuild] | None = None  # made ready already, one per build of the job
     prompts: Any = None  # the workload loaded already (``workloads.load_prompts``)
     configs: list[Config] | None = None  # planned already (each build runs them)
@@ -65,10 +60,14 @@ class RunOptions:
     # a model whose tokenizer cannot be loaded errors its runs only (else the job fails)
     per_model_errors: bool = False
     dry_run: bool = False  # plan only: the engine command lines, nothing launched or stored
-    cancelled: Callable[[], bool] = _never  # the job's cancel was asked: it stops at once
-    stopping: Callable[[], bool] = _never  # the service is shutting down: the job resumes later
+    # set once the job's cancel is asked: it stops at once (the service clears it again where the
+    # cancel could not be written)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # set when the service is shutting down: the job resumes after its restart
+    stopping: threading.Event = field(default_factory=threading.Event)
     on_start: Callable[[int], None] | None = None  # run id, when a slot starts it
     on_engine: Callable[[int, int], None] | None = None  # run id, engine pid
+    counters: Counters | None = None  # each recorded run's wall time (the service's /metrics)
     # as each run ended and was recorded: the run, its result, why it could not be recorded
     on_result: Callable[[PlannedRun, RunResult, str | None], None] | None = None
 
@@ -111,7 +110,7 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
     matrix = spec.matrix
 
     def check() -> None:
-        if options.cancelled():
+        if options.cancelled.is_set():
             raise JobCancelled(job_id)
 
     check()
@@ -124,8 +123,9 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
         return JobOutcome("done", commands=dry_run_commands(configs, base))
     if store is not None and options.trigger is not None:
         stored = spec.stored()
-        store.write(lambda s: ensure_job(s, job_id, options.trigger, stored),
-                    f"job {job_id}: its start")
+        for attempt in store.attempts(f"job {job_id}: its start"):
+            with attempt as s:
+                ensure_job(s, job_id, options.trigger, stored)
     check()
     bad_models: dict[str, str] | None = {} if options.per_model_errors else None
     by_model = tokenized(matrix, base, prompts, errors=bad_models)
@@ -136,13 +136,14 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
         if options.builds is not None:
             engine, ref, request = options.builds[i]
         else:
-            engine, ref, request = options.prepare(base, b)
+            engine, ref, request = ready_build(base, b, dispatcher.prepare_build,
+                                              options.builds_dir)
         check()
         # validated when submitted: a config its build's release excludes is left out
         configs = (options.configs if options.configs is not None
                    else plan_runs(matrix, engine, version, spec.configs, strict=False))
         if store is not None:
-            planned = plan_build_runs(store, job_id, ref, matrix, configs, check=check,
+            planned = plan_build_runs(store, job_id, ref, matrix, configs, options.cancelled,
                                       engine=spec.engine)
         else:  # nothing stored: the runs are numbered in the job
             planned = [PlannedRun(len(planned_all) + n, 0, "pending", c)
@@ -164,7 +165,7 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
     futures: list[tuple[PlannedRun, RunTask | None, Future]] = []
     try:
         for p, task, ended in items:
-            if options.cancelled():
+            if options.cancelled.is_set():
                 break
             if task is None:
                 fut: Future = Future()
@@ -177,16 +178,16 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
                     on_engine=(lambda pid, rid=p.run_id: options.on_engine(rid, pid))
                     if options.on_engine else None)
             futures.append((p, task, fut))
-        if options.cancelled():  # a cancel that came while its runs were handed over
+        if options.cancelled.is_set():  # a cancel that came while its runs were handed over
             dispatcher.cancel_job(job_id)
         for p, task, fut in futures:
             _collect(job_id, spec, p, task, fut, store, options, outcome)
     except BaseException:
         dispatcher.cancel_job(job_id)  # no run of it goes on without the job
         raise
-    if options.stopping() and not options.cancelled():
+    if options.stopping.is_set() and not options.cancelled.is_set():
         outcome.status = "interrupted"  # left running: it resumes after the restart
-    elif options.cancelled():
+    elif options.cancelled.is_set():
         outcome.status = "cancelled"
     elif outcome.failures:
         outcome.status, outcome.error = "failed", "; ".join(outcome.failures)
@@ -213,7 +214,7 @@ def _collect(job_id: str, spec: JobSpec, p: PlannedRun, task: RunTask | None, fu
         if options.on_result is not None:
             options.on_result(p, result, failure)
         return
-    if options.stopping() and result.verdict == "cancelled":
+    if options.stopping.is_set() and result.verdict == "cancelled":
         if store is not None:
             with store.session() as s:  # shutting down: run again after the restart
                 s.get(Run, p.run_id).status = "pending"
@@ -226,6 +227,8 @@ def _collect(job_id: str, spec: JobSpec, p: PlannedRun, task: RunTask | None, fu
             outcome.unrecorded.add(p.config.name)
     if store is None or failure is not None:  # nothing stored: judged on its fixed limits
         judging.judge_run(result, judging.config_limits(p.config, spec.matrix, engine=spec.engine))
+    if failure is None and options.counters is not None:
+        options.counters.run_finished(result.seconds)
     outcome.results.append(result)
     if options.on_result is not None:
         options.on_result(p, result, failure)

@@ -28,10 +28,9 @@ from evalsvc.counters import Counters
 from evalsvc.engines.base import EngineSpec
 from evalsvc.engines.registry import engine_kind, is_engine_process
 from evalsvc.jobs import run as job_run
-from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.record import cancel_pending, describe, end_job
 from evalsvc.jobs.run import JobCancelled, RunOptions
-from evalsvc.jobs.spec import BuildSpec, JobCreate, mint_id, stored_spec, validate_job
+from evalsvc.jobs.spec import JobCreate, mint_id, stored_spec, validate_job
 from evalsvc.logs import log_context
 from evalsvc.paths import inside
 from evalsvc.settings import Settings
@@ -56,7 +55,10 @@ class JobService:
         self._thread: threading.Thread | None = None
         self._cancelled: set[str] = set()  # running jobs whose cancel the store holds
         self._asking: dict[str, int] = {}  # cancels of a job writing the store now (how many)
-        self._lock = threading.Lock()  # guards both; never held while the store is used
+        # the running job's cancel as its phases look at it (RunOptions.cancelled): set while
+        # the job is in either of the two above
+        self._flags: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()  # guards the three; never held while the store is used
         self._asked = threading.Condition(self._lock)  # notified when a cancel's write ended
         self._store_lock: StoreLock | None = None
         self._failing: str | None = None  # the error the runner is waiting out, if any
@@ -106,6 +108,7 @@ class JobService:
         now = utcnow()
         with self._lock:  # the runner stops at its next look, inside a transaction too
             self._asking[job_id] = self._asking.get(job_id, 0) + 1
+            self._flag(job_id)
         running = 0
         try:
             with self.store.session() as s:
@@ -133,6 +136,7 @@ class JobService:
                 self._asking[job_id] -= 1
                 if not self._asking[job_id]:
                     del self._asking[job_id]
+                self._flag(job_id)
                 self._asked.notify_all()
         if queued:  # its end committed
             self._ended_one()
@@ -328,6 +332,7 @@ class JobService:
                         counted = True
                 with self._lock:
                     self._cancelled.discard(job_id)
+                    self._flags.pop(job_id, None)
                 self._ended_one()
                 log.info("job %s %s", job_id, ended or status)
                 return
@@ -362,36 +367,26 @@ class JobService:
         if engine_kind(spec.engine).uses_engine_envs:  # the environment named when submitted
             base = EngineSpec(kind=spec.engine, python=python_of(self.settings, spec.engine_env),
                               env_name=spec.engine_env)
+        with self._lock:  # a cancel asked already is set on it
+            cancelled = self._flags[job_id] = threading.Event()
+            self._flag(job_id)
         outcome = job_run.run_job(job_id, spec, self.dispatcher, self.store, RunOptions(
             engine=base, log_dir=inside(self.settings.data_dir, "logs", job_id),
             results_dir=self.settings.results_dir(), run_timeout_s=self.settings.run_timeout_s,
-            prepare=lambda engine, b: self._prepare_build(engine, b),
-            cancelled=lambda: self._is_cancelled(job_id), stopping=self._stop.is_set,
-            on_start=self._run_started, on_engine=self._engine_up, on_result=self._recorded))
+            builds_dir=self.settings.resolved_builds_dir(),
+            cancelled=cancelled, stopping=self._stop, counters=self.counters,
+            on_start=self._run_started, on_engine=self._engine_up))
         return outcome.status, outcome.error
 
-    def _prepare_build(self, base: EngineSpec, b: BuildSpec | dict[str, Any]) -> ReadyBuild:
-        """A build of the job made ready (``jobs.builds.ready_build``); an SGLang build is made by
-        the dispatcher where the runs go (BuildError if it cannot be)."""
-        return ready_build(base, b, lambda *build: self.dispatcher.prepare_build(*build),
-                           self.settings.resolved_builds_dir())
-
     def _run_started(self, run_id: int) -> None:
-        def started(s) -> None:
-            s.get(Run, run_id).status = "running"
-
-        self.store.write(started, f"run {run_id}: its start")
+        for attempt in self.store.attempts(f"run {run_id}: its start"):
+            with attempt as s:
+                s.get(Run, run_id).status = "running"
 
     def _engine_up(self, run_id: int, pid: int) -> None:
-        def engine_up(s) -> None:
-            s.get(Run, run_id).engine_pid = pid
-
-        self.store.write(engine_up, f"run {run_id}: its engine's pid")
-
-    def _recorded(self, planned, result, failure: str | None) -> None:
-        """A run of a job recorded (``failure`` None) or failed: the counters."""
-        if failure is None:
-            self.counters.run_finished(result.seconds)
+        for attempt in self.store.attempts(f"run {run_id}: its engine's pid"):
+            with attempt as s:
+                s.get(Run, run_id).engine_pid = pid
 
     def _alert(self, job_id: str) -> None:
         try:
@@ -403,6 +398,16 @@ class JobService:
 
     def deliver_alerts(self) -> int:
         return deliver(self.store, self.settings.alert_webhook)
+
+    def _flag(self, job_id: str) -> None:
+        """The running job's cancel flag set as its cancel stands (with ``_lock`` held)."""
+        flag = self._flags.get(job_id)
+        if flag is None:
+            return
+        if job_id in self._cancelled or job_id in self._asking:
+            flag.set()
+        else:
+            flag.clear()
 
     def _is_cancelled(self, job_id: str) -> bool:
         """Whether the job's cancel was asked of this service (answered, or being written): read

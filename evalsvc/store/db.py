@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -104,27 +104,54 @@ class Store:
         with self._sessions() as s, s.begin():
             yield s
 
-    def write(self, fn: Callable[[Session], T], what: str = "a write") -> T:
-        """``fn(session)`` in a transaction of its own, run again while the database server is
-        unreachable (a lost or refused connection: ``transient``), with a backoff of 0.5 s doubling
-        to 5 s, for up to ``retry_seconds``; then, or on any other error, the error is raised.
-        ``fn`` must be safe to run again: a failed attempt is rolled back, yet a commit whose
-        answer was lost may have been applied."""
+    def attempts(self, what: str = "a write") -> Iterator[AbstractContextManager[Session]]:
+        """The tries of a write that is run again while the database server is unreachable (a
+        lost or refused connection: ``transient``), with a backoff of 0.5 s doubling to 5 s, for
+        up to ``retry_seconds``; then, or on any other error, the error is raised. Each try is a
+        transaction of its own, its block the caller's::
+
+            for attempt in store.attempts(f"run {run_id}: its start"):
+                with attempt as s:
+                    s.get(Run, run_id).status = "running"
+
+        The loop ends once a try has committed. The block must be safe to run again (a failed
+        try is rolled back, yet a commit whose answer was lost may have been applied), and must
+        not ``return`` from inside the loop: a commit that fails after a ``return`` could not be
+        tried again. Assign what the block makes and use it after the loop."""
         deadline = time.monotonic() + self.retry_seconds
         delay = 0.5
         while True:
-            try:
-                with self.session() as s:
-                    return fn(s)
-            except DBAPIError as exc:
-                left = deadline - time.monotonic()
-                if not transient(exc) or left <= 0:
-                    raise
-                first = (str(exc.orig or exc).strip().splitlines() or [type(exc).__name__])[0]
-                log.warning("%s: the database is unreachable (%s); retrying in %.1f s", what,
-                            first, min(delay, left))
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 5.0)
+            lost: list[DBAPIError] = []
+            yield self._attempt(lost)
+            if not lost:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise lost[0]
+            first = (str(lost[0].orig or lost[0]).strip().splitlines()
+                     or [type(lost[0]).__name__])[0]
+            log.warning("%s: the database is unreachable (%s); retrying in %.1f s", what, first,
+                        min(delay, left))
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
+
+    @contextmanager
+    def _attempt(self, lost: list[DBAPIError]) -> Iterator[Session]:
+        """One try of ``attempts``: a transaction; a lost connection is kept in ``lost``."""
+        try:
+            with self.session() as s:
+                yield s
+        except DBAPIError as exc:
+            if not transient(exc):
+                raise
+            lost.append(exc)
+
+    def write(self, fn: Callable[[Session], T], what: str = "a write") -> T:
+        """``fn(session)`` in the tries of ``attempts``; what it returns."""
+        for attempt in self.attempts(what):
+            with attempt as s:
+                value = fn(s)
+        return value
 
     def close(self) -> None:
         self.engine.dispose()

@@ -102,7 +102,7 @@ def wait_job(store: Store, job_id: str, timeout: float = 120,
 # ---- cancel ---------------------------------------------------------------------------------
 # the functions of a job's phases, by where the runner finds them
 TRACED = {"load_prompts": evalsvc.workloads, "tokenized": evalsvc.jobs.run,
-          "_prepare_build": JobService, "expand": evalsvc.jobs.plan,
+          "ready_build": evalsvc.jobs.run, "expand": evalsvc.jobs.plan,
           "plan_run": evalsvc.jobs.record}
 
 
@@ -136,9 +136,9 @@ class Phases:
 PHASES = {  # where a job spends its time before its runs reach the engines
     "loading the workload": ("load_prompts", 1),
     "tokenizing": ("tokenized", 1),
-    "preparing its build": ("_prepare_build", 1),
+    "preparing its build": ("ready_build", 1),
     "expanding its configs": ("expand", 1),
-    "preparing its second build, a run planned": ("_prepare_build", 2),
+    "preparing its second build, a run planned": ("ready_build", 2),
 }
 
 

@@ -176,7 +176,7 @@ def test_execute_ends_a_run_at_its_deadline(machine, tmp_path):
     task = RunTask.make("job-1", 7, matrix, expand(matrix, hardware="gpu")[0], spec,
                         [("p0", [1, 2, 3])], tmp_path / "logs", run_timeout_s=3)
     pids = []
-    control = RunControl(on_engine=lambda proc: pids.append(proc.proc.pid))
+    control = RunControl(on_engine=pids.append)
     t0 = time.monotonic()
     result = execute(task, control)
     assert time.monotonic() - t0 < 3 + 15

@@ -63,3 +63,25 @@ def test_write_returns_and_raises_other_errors_at_once(db_url):
         store.close()
     assert not transient(dup.value) and not transient(bad.value)
     assert attempts == ["add", "add", "missing"]
+
+
+def test_attempts_run_the_block_again_after_a_lost_connection_and_stop_once_it_commits(db_url):
+    """``for attempt in store.attempts(): with attempt as s: ...``: a try that loses its connection
+    is rolled back and the block runs again; the loop ends after the try that commits."""
+    store = Store(db_url, retry_seconds=60)
+    tries = []
+    try:
+        for attempt in store.attempts("a test write"):
+            with attempt as s:
+                tries.append(len(tries))
+                s.add(Commit(ref=f"r@{len(tries)}", repository="r", sha=str(len(tries))))
+                s.flush()
+                if len(tries) == 1:  # as psycopg's lost connection reaches SQLAlchemy
+                    raise DBAPIError("SELECT 1", {}, Exception("server closed the connection"),
+                                     connection_invalidated=True)
+        with store.session() as s:
+            refs = sorted(c.ref for c in s.query(Commit))
+    finally:
+        store.close()
+    assert tries == [0, 1]
+    assert refs == ["r@2"], "the lost try was not rolled back, or the loop went on after a commit"
