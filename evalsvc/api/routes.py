@@ -39,7 +39,7 @@ from evalsvc.web.deps import (
     require_write,
 )
 from evalsvc.web.params import JobId, RegressionId, RunId, StorableText, TriageUpdate
-from evalsvc.web.redact import Shown, job_as_seen, run_as_seen
+from evalsvc.web.redact import Shown, deep_shown, job_as_seen, run_as_seen
 
 router = APIRouter(dependencies=[Depends(require_read)])
 
@@ -261,18 +261,20 @@ def read_matrix(name: Annotated[str, Path(max_length=100, pattern=r"^[A-Za-z0-9_
 
 
 @router.get("/engine-envs", tags=["matrices"])
-def read_engine_envs(services: ServicesDep) -> list[dict[str, Any]]:
+def read_engine_envs(services: ServicesDep, shown: ShownDep) -> list[dict[str, Any]]:
     """The SGLang environments jobs may name (``engine_env``): each with its SGLang and torch
     releases, its kernel package, the CPU ops it serves with, and CPU or GPU; ``default`` marks
-    the one of jobs that name none."""
-    return engine_envs.listed(services.settings)
+    the one of jobs that name none. Its interpreter's path is redacted for readers without the
+    write role."""
+    return deep_shown(engine_envs.listed(services.settings), shown)
 
 
 @router.get("/models", tags=["matrices"])
-def read_models(services: ServicesDep) -> list[dict[str, Any]]:
+def read_models(services: ServicesDep, shown: ShownDep) -> list[dict[str, Any]]:
     """The models jobs may name (``model``): the shipped ones and those of EVALSVC_MODELS_DIR,
-    each with the engine that serves it and its architecture."""
-    return model_catalog.listed(services.settings)
+    each with the engine that serves it and its architecture. Its directory is redacted for
+    readers without the write role."""
+    return deep_shown(model_catalog.listed(services.settings), shown)
 
 
 @router.get("/golden", tags=["results"])

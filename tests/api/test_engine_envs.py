@@ -243,3 +243,24 @@ def test_two_environments_of_two_releases_each_run_the_job_that_names_it(tmp_pat
                 assert commands and all(cmd[0] == str(pythons[name]) for cmd in commands), commands
     finally:
         store.close()
+
+
+def test_a_reader_without_the_write_role_sees_no_server_path_in_the_lists(tmp_path):
+    """The environments' interpreters and the models' directories are the server's paths: a read
+    token sees them by their last part, the write token as they are."""
+    other, models = other_python(tmp_path), models_dir(tmp_path)
+    read, write = ({"Authorization": f"Bearer {t}"} for t in ("read-secret", "write-secret"))
+    with make_client(tmp_path, engine_python=FAKE_PYTHON, models_dir=models,
+                     engine_envs={"other": str(other)}, api_token="write-secret",
+                     read_token="read-secret") as c:
+        envs = {e["name"]: e for e in c.get("/api/v1/engine-envs", headers=read).json()}
+        listed = {m["name"]: m for m in c.get("/api/v1/models", headers=read).json()}
+        assert envs["other"]["python"] == ".../python" and envs["other"]["default"] is False
+        assert listed["mamba2-mine"]["path"] == ".../mamba2-mine"
+        assert listed["mamba2-mine"]["engine"] == "embedded"
+        for seen in (envs, listed):
+            assert str(tmp_path) not in str(seen) and str(Path(FAKE_PYTHON).parent) not in str(seen)
+        assert {e["name"]: e["python"] for e in c.get("/api/v1/engine-envs", headers=write)
+                .json()} == {"default": FAKE_PYTHON, "other": str(other)}
+        assert {m["name"]: m["path"] for m in c.get("/api/v1/models", headers=write).json()}[
+            "mamba2-mine"] == str(models / "mamba2-mine")
