@@ -20,6 +20,7 @@ from evalsvc.cli import app as cli
 from evalsvc.dispatch.local import LocalDispatcher
 from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs import JobService
+from evalsvc.jobs.builds import ready_build
 from evalsvc.nightly import NightlyError, NightlyScheduler, Schedule, fire, load_schedules
 from evalsvc.settings import Settings
 from evalsvc.store.db import Store
@@ -235,7 +236,8 @@ def test_a_git_source_serves_an_embedded_matrix_with_configs_and_workload(env, s
         assert spec["matrix"]["workload"]["num_prompts"] == 4
         assert spec["matrix"]["workload"]["max_new_tokens"] == 8
         # the builds the job will run: the commit's settings, then the patch on top
-        envs, refs, _ = zip(*(jobs._prepare_build(EngineSpec(kind="embedded"), b)
+        envs, refs, _ = zip(*(ready_build(EngineSpec(kind="embedded"), b, None,
+                                          settings.resolved_builds_dir())
                               for b in spec["builds"]), strict=True)
         assert [e.env for e in envs] == [{"EVALSVC_ENGINE_DEFECTS": "snapshot-race"},
                                          {"EVALSVC_ENGINE_DEFECTS": "snapshot-race,host-load-race"}]

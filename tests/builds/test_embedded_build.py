@@ -20,6 +20,7 @@ from evalsvc.builds.build import BuildError
 from evalsvc.builds.embedded import SETTINGS_FILE, embedded_build, parse_embedded_source
 from evalsvc.engines.base import EngineSpec
 from evalsvc.jobs import BuildSpec, JobCreate, JobError, JobService
+from evalsvc.jobs.builds import ready_build
 from evalsvc.settings import Settings
 
 ENV_VAR = "EVALSVC_ENGINE_DEFECTS"
@@ -214,11 +215,17 @@ def test_jobs_refuse_a_commit_with_bad_settings(repo):
     assert sha in str(err.value) and "defects.snapshot-race" in str(err.value)
 
 
+def prepared(jobs: JobService, build: dict):
+    """A build of a job made ready as the service's ``run_job`` makes it (``ready_build`` in the
+    service's builds directory)."""
+    return ready_build(EngineSpec(kind="embedded"), build, None,  # made here: no dispatcher
+                       jobs.settings.resolved_builds_dir())
+
+
 def test_prepare_build_gives_the_engine_env_sha_and_commit_date(repo):
     root, shas = repo
-    engine, ref, request = service("*")._prepare_build(
-        EngineSpec(kind="embedded"), {"source": f"git:{root}@{shas[1][:10]}",
-                                      "patches": ["defect:snapshot-race"]})
+    engine, ref, request = prepared(service("*"), {"source": f"git:{root}@{shas[1][:10]}",
+                                                   "patches": ["defect:snapshot-race"]})
     assert engine.kind == "embedded" and request is None  # the env is the whole build
     assert engine.env == {ENV_VAR: "host-load-race,deferred-ops-dropped@0.25,snapshot-race"}
     assert (ref.repository, ref.sha, ref.branch) == (str(root), shas[1], None)
@@ -226,8 +233,7 @@ def test_prepare_build_gives_the_engine_env_sha_and_commit_date(repo):
     assert ref.patches == ["defect:snapshot-race"]
     assert ref.ref == f"{root}@{shas[1]}"
     # no source: the engine as it is, its patches its defects
-    engine, ref, _ = service()._prepare_build(EngineSpec(kind="embedded"),
-                                           {"source": None, "patches": ["defect:host-load-race"]})
+    engine, ref, _ = prepared(service(), {"source": None, "patches": ["defect:host-load-race"]})
     assert engine.env == {ENV_VAR: "host-load-race"}
     assert (ref.repository, ref.version, ref.sha) == ("evalsvc/embedded", __version__, None)
 
@@ -243,8 +249,7 @@ def test_a_services_builds_go_where_its_own_settings_say(repo, tmp_path, monkeyp
     assert mine.resolved_builds_dir() == tmp_path / "data" / "builds"
     for settings, where in ((mine, tmp_path / "data" / "builds"), (other, tmp_path / "other")):
         jobs = JobService(settings, store=None, dispatcher=None)
-        _, ref, _ = jobs._prepare_build(EngineSpec(kind="embedded"),
-                                        {"source": f"git:{root}@{shas[0]}", "patches": []})
+        _, ref, _ = prepared(jobs, {"source": f"git:{root}@{shas[0]}", "patches": []})
         assert ref.sha == shas[0]
         assert len(list((where / "git").iterdir())) == 1  # the repository's mirror
     assert not (tmp_path / "from-env").exists()
