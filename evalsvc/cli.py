@@ -420,15 +420,21 @@ def nightly(
                                                        "for them")] = False,
 ) -> None:
     """Fire the nightly schedules once: resolve the newest commit or release, skip what is
-    evaluated, submit a job with trigger nightly."""
+    evaluated, submit a job with trigger nightly. Exit status, as ``evalsvc run``'s: 1 when (with
+    --wait) a run failed its verdict (fail or invalid); else 4 when a schedule could not fire, a
+    job did not end done or a run reached no verdict; 2 for a bad schedules file; else 0."""
     import time
+    from collections import Counter
 
+    from sqlalchemy import select
+
+    from evalsvc.evaluate import EXIT_ERRORED, EXIT_FAILED
     from evalsvc.jobs import JobService
     from evalsvc.nightly import NightlyError, fire, load_schedules
     from evalsvc.settings import Settings
     from evalsvc.store.db import Store
-    from evalsvc.store.models import Job
-    from evalsvc.types import FINISHED_JOB_STATUSES
+    from evalsvc.store.models import Job, Run
+    from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, Verdict
 
     if not once:
         typer.echo("error: use --once (the service runs the schedules on their crons)", err=True)
@@ -443,12 +449,14 @@ def nightly(
     store = Store(settings.resolved_database_url())
     jobs = JobService(settings, store, dispatcher=None)  # submits; with --wait a runner below
     submitted = []
+    status = 0
     try:
         for s in schedules:
             try:
                 job_id = fire(s, jobs, store)
             except (NightlyError, ValueError) as exc:
                 typer.echo(f"{s.name}: error: {exc}", err=True)
+                status = EXIT_ERRORED
                 continue
             typer.echo(f"{s.name}: " + (f"submitted job {job_id}" if job_id
                                         else "newest already evaluated"))
@@ -468,11 +476,23 @@ def nightly(
                 if all(v in FINISHED_JOB_STATUSES for v in states.values()):
                     break
                 time.sleep(1)
+            with store.session() as sess:
+                verdicts = {j: list(sess.scalars(select(Run.verdict).where(Run.job_id == j)))
+                            for j in submitted}
             for j, v in states.items():
-                typer.echo(f"job {j}: {v}")
+                counts = Counter(str(x) for x in verdicts[j])
+                typer.echo(f"job {j}: {v} (" + ", ".join(
+                    f"{n} {verdict}" for verdict, n in sorted(counts.items())) + ")")
+            every = [x for vs in verdicts.values() for x in vs]
+            if any(x in (Verdict.FAIL, Verdict.INVALID) for x in every):
+                status = EXIT_FAILED
+            elif status == 0 and (any(v != JobStatus.DONE for v in states.values()) or any(
+                    x in (None, Verdict.ERROR, Verdict.CANCELLED) for x in every)):
+                status = EXIT_ERRORED
     finally:
         jobs.stop()
         store.close()
+    raise typer.Exit(status)
 
 
 @app.command()

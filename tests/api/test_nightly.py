@@ -76,9 +76,9 @@ def nightly_jobs(db: str) -> list[Job]:
         store.close()
 
 
-def once() -> str:
+def once(exit_code: int = 0) -> str:
     res = CliRunner().invoke(cli, ["nightly", "--once"])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == exit_code, res.output
     return res.output
 
 
@@ -134,7 +134,7 @@ def test_a_schedule_names_its_engine_environment(env, tracked, tmp_path, monkeyp
          "source": {"git": {"repository": str(tracked), "branch": "main"}}}
         for name, engine_env in (("named", "other"), ("default", None), ("unknown", "nope"))]}))
     monkeypatch.setenv("EVALSVC_NIGHTLY_FILE", str(path))
-    out = once()
+    out = once(exit_code=4)  # the schedule that could not fire: the others were submitted
     assert "named: submitted job" in out and "default: submitted job" in out
     assert ("unknown: error: engine_env: unknown engine environment 'nope' (known: default, "
             "other)") in out
@@ -194,7 +194,7 @@ def test_once_reports_a_schedule_it_cannot_resolve(env, tmp_path, monkeypatch):
          "source": {"git": {"repository": str(tmp_path / "no-such-repo")}}}]}))
     monkeypatch.setenv("EVALSVC_NIGHTLY_FILE", str(path))
     res = CliRunner().invoke(cli, ["nightly", "--once"])
-    assert res.exit_code == 0
+    assert res.exit_code == 4, res.output  # for cron and CI: a schedule that did not fire
     assert "gone: error:" in res.output and "no-such-repo" in res.output
     assert nightly_jobs(env) == []
 
@@ -284,3 +284,20 @@ def test_a_nightly_embedded_git_job_runs_the_commits_settings(env, settings_repo
     finally:
         jobs.stop()
         store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patches, exit_code", [([], 0), (["defect:snapshot-race"], 1)])
+def test_once_wait_exits_with_what_its_runs_found(env, tmp_path, monkeypatch, patches, exit_code):
+    """``--once --wait`` runs the jobs here and exits as ``evalsvc run`` does: 0 when every run
+    passed, 1 when one failed its verdict (a defect switched on where it acts)."""
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump({"schedules": [
+        {"name": "embedded", "cron": "30 1 * * *", "source": {"embedded": {}}, "matrix": "smoke",
+         "patch_sets": [patches], "configs": ["mamba2-eb-ov-c64"],
+         "workload": {"num_prompts": 4, "max_new_tokens": 8}}]}))
+    monkeypatch.setenv("EVALSVC_NIGHTLY_FILE", str(path))
+    res = CliRunner().invoke(cli, ["nightly", "--once", "--wait"])
+    assert res.exit_code == exit_code, res.output
+    verdict = "fail" if exit_code else "pass"
+    assert re.search(rf"job nightly-\S+: done \(1 {verdict}\)", res.output), res.output
