@@ -13,13 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from evalsvc.alerts import collect
+from evalsvc.app import create_app
 from evalsvc.matrix import load_matrix
+from evalsvc.settings import Settings
 from evalsvc.store.db import Store
 from evalsvc.store.models import Alert, Regression, Run, ScenarioRow
 from evalsvc.verdicts import triage_regression
+from tests.dashboard.test_pages import page_data
 from tests.oracles.detection import WHERE, evaluate_recorded
 
 pytestmark = pytest.mark.slow
@@ -84,5 +88,14 @@ def test_a_known_failure_holds_and_a_new_planted_defect_still_opens_a_regression
                 Regression.state == "open", Regression.triage.is_(None)))}
         assert {"chunked_hit", "prefill_hit"} <= fresh
         assert alerts() == [("c1-None", "appeared"), ("c5-None", "appeared")]
+
+        # the overview's trend marks the known failure apart from the regression it started as
+        settings = Settings(data_dir=tmp_path / "data", database_url=store.url, nightly=False)
+        with TestClient(create_app(settings, start_runner=False)) as c:
+            data = page_data(c.get("/", params={"scenario": "host_tier"}).text)
+        [chart] = data["charts"]
+        [series] = [s for s in chart["series"] if s["name"] == "host_tier"]
+        assert series["c"] == [0, 1, 2, 3, 4]
+        assert series["fail"] == [0] and series["expected"] == [1, 2, 3, 4], series
     finally:
         store.close()

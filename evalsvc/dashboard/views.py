@@ -48,7 +48,7 @@ from evalsvc.store.reads import (
     VerdictRead,
 )
 from evalsvc.thresholds import load_thresholds
-from evalsvc.types import FINISHED_JOB_STATUSES
+from evalsvc.types import FINISHED_JOB_STATUSES, Verdict
 from evalsvc.verdicts import compare_builds, stored_limits
 from evalsvc.web.auth import csrf_token
 from evalsvc.web.deps import SessionDep, ShownDep, current_user, require_read
@@ -159,13 +159,14 @@ def kl_threshold(session: Session, run_id: int) -> float | None:
 # ---- overview ------------------------------------------------------------------------------
 
 def trend_charts(window: TrendWindow, values: Iterable[tuple],
-                 failures: set[tuple[int, str]], metric: str,
+                 failures: dict[tuple[int, str], Verdict], metric: str,
                  threshold: Callable[[int], float | None]) -> dict[str, Any]:
     """Chart data: the window's commits (time, label) once, and per fingerprint its series per
     metric, scenario and patch set as commit indices, values and run ids, with the points whose
-    scenario verdict is fail (the regression markers), and for KL the fixed limit of the
-    fingerprint (``threshold(run_id)`` of its first run). ``values``: (run_id, scenario, metric,
-    value) rows of the window's runs."""
+    scenario verdict is fail (the regression markers) and those whose verdict is expected (a
+    known failure, marked apart), and for KL the fixed limit of the fingerprint
+    (``threshold(run_id)`` of its first run). ``values``: (run_id, scenario, metric, value) rows
+    of the window's runs; ``failures``: ``queries.commit_failures``."""
     index = {c.id: i for i, c in enumerate(window.commits)}
     runs = {r.id: r for r in window.runs}
     points: dict[tuple[str, str, str, str], list[tuple]] = {}
@@ -174,7 +175,7 @@ def trend_charts(window: TrendWindow, values: Iterable[tuple],
             continue
         run = runs[run_id]
         points.setdefault((run.fingerprint, name, scenario, run.patch_set), []).append(
-            (index[run.commit_id], run_id, value, (run_id, scenario) in failures))
+            (index[run.commit_id], run_id, value, failures.get((run_id, scenario))))
     charts: dict[str, dict[str, Any]] = {}
     for (fingerprint, name, scenario, patch_set), series in sorted(points.items()):
         series.sort()
@@ -189,7 +190,8 @@ def trend_charts(window: TrendWindow, values: Iterable[tuple],
             "metric": name, "name": scenario + (f" [{patch_set}]" if patch_set else ""),
             "c": [p[0] for p in series], "run": [p[1] for p in series],
             "y": [float(f"{p[2]:.4g}") for p in series],
-            "fail": [i for i, p in enumerate(series) if p[3]]})
+            "fail": [i for i, p in enumerate(series) if p[3] == Verdict.FAIL],
+            "expected": [i for i, p in enumerate(series) if p[3] == Verdict.EXPECTED]})
     return {"commits": [[c.committed_at.isoformat(), short_ref(c.ref)] for c in window.commits],
             "charts": sorted(charts.values(), key=lambda c: (c["config"], c["fingerprint"])),
             "metric": metric, "log": metric in LOG_METRICS}

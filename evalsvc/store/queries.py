@@ -428,13 +428,15 @@ def commit_metric_values(session: Session, commit_ids: list[int], metrics: list[
     return session.execute(q).all()
 
 
-def commit_failures(session: Session, commit_ids: list[int]) -> set[tuple[int, str]]:
-    """(run id, scenario) of the scenarios whose verdict is fail in runs of these commits."""
-    return set(session.execute(select(ScenarioRow.run_id, ScenarioRow.scenario)
-                               .join(Run, ScenarioRow.run_id == Run.id)
-                               .join(Build, Run.build_id == Build.id)
-                               .where(Build.commit_id.in_(commit_ids),
-                                      ScenarioRow.verdict == Verdict.FAIL)).all())
+def commit_failures(session: Session, commit_ids: list[int]) -> dict[tuple[int, str], Verdict]:
+    """The verdict by (run id, scenario) of the scenarios that failed in runs of these commits:
+    fail, or expected (failing as a known failure does)."""
+    rows = session.execute(select(ScenarioRow.run_id, ScenarioRow.scenario, ScenarioRow.verdict)
+                           .join(Run, ScenarioRow.run_id == Run.id)
+                           .join(Build, Run.build_id == Build.id)
+                           .where(Build.commit_id.in_(commit_ids),
+                                  ScenarioRow.verdict.in_([Verdict.FAIL, Verdict.EXPECTED])))
+    return {(run_id, scenario): Verdict(verdict) for run_id, scenario, verdict in rows}
 
 
 def run_models(session: Session, run_ids: list[int]) -> dict[int, str]:

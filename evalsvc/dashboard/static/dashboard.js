@@ -21,6 +21,7 @@ function trendFigure(data, chart, metric) {
   const log = metric !== "accept_length" && data.log;
   const traces = [];
   const fails = { x: [], y: [], text: [], customdata: [] };
+  const expected = { x: [], y: [], text: [], customdata: [] };
   let lowest = Infinity;
   for (const s of chart.series.filter((s) => s.metric === metric)) {
     const x = s.c.map((i) => data.commits[i][1]);
@@ -30,17 +31,24 @@ function trendFigure(data, chart, metric) {
     traces.push({ type: "scatter", mode: "lines+markers", name: s.name, x, y, text,
                   customdata: s.run, hovertemplate: "%{text}<extra>%{fullData.name}</extra>",
                   marker: { size: 5 } });
-    for (const k of s.fail) {
-      fails.x.push(x[k]);
-      fails.y.push(y[k]);
-      fails.text.push(`${text[k]} (fail)`);
-      fails.customdata.push(s.run[k]);
+    for (const [marks, ks, word] of [[fails, s.fail, "fail"], [expected, s.expected, "expected"]]) {
+      for (const k of ks) {
+        marks.x.push(x[k]);
+        marks.y.push(y[k]);
+        marks.text.push(`${text[k]} (${word})`);
+        marks.customdata.push(s.run[k]);
+      }
     }
   }
   if (fails.x.length) {
     traces.push({ type: "scatter", mode: "markers", name: "fail", ...fails,
                   hovertemplate: "%{text}<extra>%{fullData.name}</extra>",
                   marker: { symbol: "x", size: 11, color: "#c62828", line: { width: 1 } } });
+  }
+  if (expected.x.length) { // a known failure: failing as triaged, not a new regression
+    traces.push({ type: "scatter", mode: "markers", name: "expected (known failure)", ...expected,
+                  hovertemplate: "%{text}<extra>%{fullData.name}</extra>",
+                  marker: { symbol: "circle-open", size: 11, color: "#b26a00", line: { width: 2 } } });
   }
   const layout = { ...LAYOUT, yaxis: { type: log ? "log" : "linear", title: { text: metric },
                                        exponentformat: "e" },
