@@ -34,6 +34,7 @@ from evalsvc.tls import tls_context
 from tests.api import conftest as api_conftest
 from tests.api.conftest import Service, free_port
 from tests.conftest import in_ci
+from tests.engines.embedded.test_server import metric as metric_in
 from tests.processes import exists
 
 pytestmark = pytest.mark.slow
@@ -108,23 +109,20 @@ def serving_engine(service: Service, db_url: str, timeout: float = 120,
         time.sleep(0.2)
 
 
-def metric(port: int, name: str) -> float:
-    """One of an engine's Prometheus metrics (``/metrics``, SGLang's names)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, verify=tls_context()).text
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    assert m, f"no {name} in the engine's metrics"
-    return float(m.group(1))
-
-
 def working_engine(service: Service, db_url: str, config: str, timeout: float = 120) -> tuple[int, int]:
     """A run's engine while it serves the workload: a request in flight and prompt tokens beyond
     the health checks' one each (``serving_engine``, then its metrics). A fault sent now lands
     mid-scenario, not after the last one (when nothing the run still asks of it would notice)."""
     run_id, pid = serving_engine(service, db_url, timeout, config)
     port = engine_port(service, pid)
+
+    def metric(name: str) -> float:
+        return metric_in(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5,
+                                   verify=tls_context()).text, name)
+
     deadline = time.monotonic() + timeout
-    while not (metric(port, "sglang:num_running_reqs") > 0
-               and metric(port, "sglang:prompt_tokens_total") > 64):
+    while not (metric("sglang:num_running_reqs") > 0
+               and metric("sglang:prompt_tokens_total") > 64):
         assert time.monotonic() < deadline, service.log()
         time.sleep(0.02)
     return run_id, pid
