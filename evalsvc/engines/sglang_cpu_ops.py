@@ -42,6 +42,7 @@ import copy
 import importlib.abc
 import importlib.machinery
 import itertools
+import math
 import os
 import sys
 import warnings
@@ -476,6 +477,45 @@ def gather_spec_extras(indices, topk_p_buf, topk_index_buf, output_tokens_buf,
             None if hidden_states_buf is None else hidden_states_buf[rows])
 
 
+def rotate_input_ids(input_ids, extend_start_loc, extend_seq_lens, topk_index, select_index=None):
+    """SGLang's ``rotate_input_ids`` for the multi-layer EAGLE draft (``kernels/ops/speculative/
+    multi_layer_eagle.py``; its CPU branch calls the kernel package's ``rotate_input_ids_cpu``,
+    whose 0.4.5 build takes int64 ids where 0.5.19 passes int32): each request's ids move one to
+    the left, in place, and its new token goes last (or to ``select_index``), as the Triton kernel
+    does."""
+    new_tokens, starts = topk_index.reshape(-1), extend_start_loc.tolist()
+    for i, n in enumerate(extend_seq_lens.tolist()):  # a program per request, as the kernel's grid
+        start = starts[i]
+        if n > 0:
+            input_ids[start:start + n - 1] = input_ids[start + 1:start + n].clone()
+            last = start + n - 1 if select_index is None else int(select_index[i])
+            input_ids[last] = new_tokens[i]
+
+
+def _untimed_bench(self):
+    """Triton's autotuner under its interpreter (``TRITON_INTERPRET=1``), which has no device to
+    time a config on: every config ties, and the first is taken (see :func:`_largest_blocks_first`;
+    the kernel's result is the same under each, only its speed differs)."""
+    return lambda fn, quantiles=None, **kwargs: [0.0, 0.0, 0.0]
+
+
+def _largest_blocks_first(init):
+    """The autotuner's configs ordered by their block sizes' product, largest first: the
+    interpreter runs one program instance at a time, each over whole numpy blocks, so the fewest
+    programs are the fastest."""
+
+    def call(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+
+        def size(config):
+            return -math.prod(v for v in config.kwargs.values() if type(v) is int)
+
+        self.configs = sorted(self.configs, key=size)
+
+    call.__wrapped__ = init
+    return call
+
+
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
     """The kernel package's ``transfer_kv_direct`` (HiCache's ``direct`` io backend, which SGLang
     binds only on CUDA or ROCm: on the CPU the name is undefined where its host pools call it):
@@ -719,7 +759,15 @@ HOST_ATTRS: dict[str, dict[str, object]] = {
                       "sglang.srt.mem_cache.memory_pool_host")},
     "sglang.srt.arg_groups.speculative_hook": {
         "_disable_overlap_schedule_for_cpu": _keep_overlap},
+    # the multi-layer EAGLE draft (0.5.19 and later; Inkling's MTP): the CPU branch's kernel op
+    "sglang.kernels.ops.speculative.multi_layer_eagle": {"rotate_input_ids_cpu": rotate_input_ids},
 }
+# SGLang's Triton kernels that have no CPU branch (Inkling's short convolutions and their metadata)
+# run in Triton's own interpreter where the engine asks for it (``TRITON_INTERPRET=1``, read by
+# Triton at import); its autotuner then has nothing to time.
+INTERPRETER_ATTRS = {"triton.runtime.autotuner": {
+    "Autotuner.do_bench": property(_untimed_bench),
+    "Autotuner.__init__": Wrap(_largest_blocks_first)}}
 # Where earlier releases (0.5.12.post1, 0.5.13) kept the kernel modules named above: the same
 # bindings apply there.
 EARLIER_HOMES = {"sglang.kernels.ops.attention.fla.": "sglang.srt.layers.attention.fla.",
@@ -962,6 +1010,8 @@ def activate(environ=None) -> str:
     if choice == "reference":
         for name, values in MODULE_ATTRS.items():
             attrs.setdefault(name, {}).update(values)
+    if environ.get("TRITON_INTERPRET") == "1":
+        attrs.update(INTERPRETER_ATTRS)
     for name, values in list(attrs.items()):
         for home, earlier in EARLIER_HOMES.items():
             if name.startswith(home):

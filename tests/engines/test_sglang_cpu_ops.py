@@ -500,6 +500,42 @@ def test_the_overlap_schedulers_speculative_extras_are_gathered_by_row():
     assert torch.equal(ops.gather_spec_extras(idx, p, i, t, hidden)[3], hidden[[2, 0]])
 
 
+def test_the_multi_layer_drafts_ids_move_left_and_take_the_new_token_last():
+    """rotate_input_ids, as the Triton kernel writes it: each request's ids (int32, as 0.5.19
+    passes them) one to the left, its new token at its end, or at ``select_index``."""
+    ids = torch.arange(100, 110, dtype=torch.int32)
+    starts, lens = torch.tensor([0, 4, 7]), torch.tensor([4, 3, 3])
+    ops.rotate_input_ids(ids, starts, lens, torch.tensor([[1], [2], [3]]))
+    assert ids.dtype == torch.int32
+    assert ids.tolist() == [101, 102, 103, 1, 105, 106, 2, 108, 109, 3]
+    ids = torch.arange(100, 110)
+    ops.rotate_input_ids(ids, starts, torch.tensor([4, 0, 3]), torch.tensor([1, 2, 3]),
+                         select_index=torch.tensor([1, 5, 8]))
+    assert ids.tolist() == [101, 1, 103, 103, 104, 105, 106, 108, 3, 109]
+
+
+def test_the_interpreters_autotuner_takes_the_largest_blocks_untimed():
+    """Under Triton's interpreter every config ties (nothing to time) and the first is taken: the
+    configs come ordered by block size, largest first (fewest program instances)."""
+
+    class Config:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    class Autotuner:
+        def __init__(self, configs):
+            self.configs = configs
+
+    init = ops.INTERPRETER_ATTRS["triton.runtime.autotuner"]["Autotuner.__init__"]
+    tuner = Autotuner.__new__(Autotuner)
+    init.factory(Autotuner.__init__)(tuner, [Config(BLOCK_T=1, BLOCK_D=128),
+                                             Config(BLOCK_T=64, BLOCK_D=256, SPLIT=True),
+                                             Config(BLOCK_T=128, BLOCK_D=64)])
+    assert [c.kwargs["BLOCK_T"] for c in tuner.configs] == [64, 128, 1]
+    bench = ops.INTERPRETER_ATTRS["triton.runtime.autotuner"]["Autotuner.do_bench"].fget(tuner)
+    assert bench(lambda: 1 / 0, quantiles=(0.5, 0.2, 0.8)) == [0.0, 0.0, 0.0]
+
+
 def test_record_stream_is_a_no_op_on_cpu_tensors_only():
     calls = []
     record = ops.cpu_record_stream(lambda tensor, stream: calls.append(stream))
@@ -517,11 +553,14 @@ def test_the_host_adapters_touch_only_the_listed_places():
     ops and attention where SGLang binds them, and touch managers/, mem_cache/ and speculative/
     only where the README's list says."""
     touched = {f"{module}.{attr}" for module, attrs in
-               [*ops.HOST_ATTRS.items(), *ops.MODULE_ATTRS.items()] for attr in attrs}
+               [*ops.HOST_ATTRS.items(), *ops.MODULE_ATTRS.items(),
+                *ops.INTERPRETER_ATTRS.items()] for attr in attrs}
     touched |= {f"{module}.{cls or '*'}.{fn}" for module, (cls, fn) in HOST_EDITED.items()}
     logic = sorted(t for t in touched if any(f".{part}." in t for part in
                                               ("managers", "mem_cache", "speculative")))
     assert logic == [
+        # the multi-layer EAGLE draft's input rotation: a kernel op binding, not worker code
+        "sglang.kernels.ops.speculative.multi_layer_eagle.rotate_input_ids_cpu",
         "sglang.srt.managers.overlap_utils.gather_spec_extras",
         "sglang.srt.mem_cache.memory_pool.MambaPool.__init__",
         "sglang.srt.mem_cache.memory_pool_host.transfer_kv_all_layer_direct_lf_pf",
