@@ -198,7 +198,8 @@ def test_models_are_the_shipped_ones_and_those_of_the_models_dir(tmp_path):
     s = Settings(models_dir=models)
     listed = {m["name"]: m for m in model_catalog.listed(s)}
     assert set(listed) == {"hybrid-gdn-tiny", "hybrid-mamba2-tiny", "qwen3-next-tiny",
-                           "qwen3-next-mine"}
+                           "inkling-tiny", "qwen3-next-mine"}
+    assert listed["inkling-tiny"]["engine"] == "sglang"
     assert listed["hybrid-mamba2-tiny"]["origin"] == "shipped"
     assert listed["hybrid-mamba2-tiny"]["engine"] == "embedded"
     assert listed["qwen3-next-mine"] == {

@@ -21,6 +21,10 @@ on any x86-64 CPU, in one of two ways, chosen per engine by ``EVALSVC_CPU_OPS`` 
   without that answer SGLang's gated-deltanet layers would fall back to Triton). A CPU without
   AVX-512-BF16 is refused at the engine's start, naming what it lacks, not with SIGILL.
 
+Either way the package ``evalsvc_sglang_models`` holds model classes of this project's, which
+SGLang's registry takes where an engine sets ``SGLANG_EXTERNAL_MODEL_PACKAGE`` to it: a tiny model
+under Inkling's architecture names (``evalsvc.engines.sglang_inkling_tiny``).
+
 The environment's ``sitecustomize.py`` applies the choice in SGLang's engine processes
 (``SGLANG_USE_CPU_ENGINE=1``, which the CPU matrix sets) and nowhere else.
 
@@ -30,8 +34,8 @@ release whose Python calls this kernel's op signatures) and the kernel, both ``-
 SGLang's pure-Python dependencies pinned as they were in a working environment
 (``requirements-sglang-cpu-0.5.17.txt`` beside this file), and the ``sitecustomize.py`` that also
 lets PyPI's CUDA torchvision import beside CPU torch. A marker records the recipe's fingerprint, so
-a second call with nothing changed returns at once; a changed recipe, kernel, reference-ops module
-or requirements file installs again over the same directory (pip and uv keep what already
+a second call with nothing changed returns at once; a changed recipe, kernel, reference-ops module,
+model module or requirements file installs again over the same directory (pip and uv keep what already
 satisfies the pins).
 """
 
@@ -66,6 +70,10 @@ DEFAULT_PORTABLE = SHARED / "sglang_kernel_cpu-0.4.5+avx2-cp311-cp311-linux_x86_
 # inside the package (a wheel install has no checkout around it)
 OPS_SOURCE = Path(__file__).resolve().parents[1] / "engines" / "sglang_cpu_ops.py"
 OPS_MODULE = "evalsvc_sglang_cpu_ops"
+# Model classes of this project's that SGLang's registry takes where an engine sets
+# SGLANG_EXTERNAL_MODEL_PACKAGE to this package (evalsvc.engines.sglang_inkling_tiny)
+MODELS_SOURCES = {"inkling_tiny.py": OPS_SOURCE.with_name("sglang_inkling_tiny.py")}
+MODELS_PACKAGE = "evalsvc_sglang_models"
 KERNEL_DIR = "kernel-avx512"  # in the environment: the AVX-512 build's sgl_kernel
 DEFAULT_DEST = REPO / ".venv-sglang-cpu"
 MARKER = "evalsvc-sglang-cpu.json"
@@ -185,6 +193,7 @@ def recipe(wheels: Wheels) -> dict[str, Any]:
             "kernel": None if wheels.kernel is None else {
                 "wheel": wheels.kernel.name, "sha256": _sha256(wheels.kernel)},
             "reference_ops_sha256": _sha256(OPS_SOURCE),
+            "models_sha256": {name: _sha256(path) for name, path in MODELS_SOURCES.items()},
             "requirements_sha256": _sha256(REQUIREMENTS),
             "sitecustomize": hashlib.sha256(SITECUSTOMIZE.encode()).hexdigest(),
             "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
@@ -242,6 +251,13 @@ def ensure(dest: Path = DEFAULT_DEST, *, environ: Mapping[str, str] | None = Non
                              check=True).stdout.strip())
     _unpack_kernel(wheels.kernel, dest / KERNEL_DIR)
     shutil.copyfile(OPS_SOURCE, site / f"{OPS_MODULE}.py")
+    models = site / MODELS_PACKAGE
+    shutil.rmtree(models, ignore_errors=True)
+    models.mkdir()
+    (models / "__init__.py").write_text('"""Written by evalsvc.builds.sglang_cpu: model classes '
+                                        'for SGLANG_EXTERNAL_MODEL_PACKAGE."""\n')
+    for name, path in MODELS_SOURCES.items():
+        shutil.copyfile(path, models / name)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     smoke = children.run([str(python), "-c", "import sgl_kernel, sglang; print(sglang.__version__)"],
                          capture_output=True, text=True)
