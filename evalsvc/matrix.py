@@ -43,6 +43,7 @@ from evalsvc.engines.registry import (
     DEFAULT_ENGINE,
     EMBEDDED_FLAGS,  # noqa: F401 - the allowlists' home moved to engines.registry
     ENGINES,
+    SGLANG_ENV_VALUES,
     SGLANG_FLAGS,  # noqa: F401
     EngineName,
     engine_kind,
@@ -95,6 +96,7 @@ FLAG_RANGES = {
     "random_seed": Annotated[int, Field(ge=0, lt=INT64)],
     "mem_fraction_static": _FRACTION,
     "mamba_full_memory_ratio": _FRACTION,
+    "swa_full_tokens_ratio": _FRACTION,
     "speculative_accept_threshold_single": _PROBABILITY,
     "speculative_accept_threshold_acc": _PROBABILITY,
     "schedule_conservativeness": _POSITIVE,
@@ -108,7 +110,7 @@ TREE_CORES = ("python", "rust")
 # embedded engine's torch threads; the radix-tree core. ``ENV_VALUES``: the only values some of
 # them take.
 ENGINE_ENV = {name: e.env for name, e in ENGINES.items()}
-ENV_VALUES = {TREE_CORE_ENV: TREE_CORES}
+ENV_VALUES = {TREE_CORE_ENV: TREE_CORES, **SGLANG_ENV_VALUES}
 # Real SGLang on a CPU (``device: cpu``): which ops serve its gated-deltanet layers (``cpu_ops``),
 # given to the engine as this variable (the SGLang CPU environment's sitecustomize reads it:
 # evalsvc.builds.sglang_cpu). ``reference``, the default, runs on any x86-64 CPU with SGLang's
@@ -247,6 +249,9 @@ class MTPSettings(Strict):
     num_steps: int = Field(3, ge=1, le=64)
     eagle_topk: int = Field(1, ge=1, le=64)
     num_draft_tokens: int | None = Field(None, ge=1, le=1024)
+    # SGLang's multi-layer EAGLE worker (``--enable-multi-layer-eagle``): a draft model per step,
+    # each with pools of its own, as chain MTP heads with Mamba state (Inkling's) are served
+    multi_layer: bool = False
 
 
 DEFAULT_CONCURRENCY = 16  # requests of a scenario's batch in flight at once
@@ -353,8 +358,14 @@ class Thresholds(RuleBody):
         cov = self.min_hit_coverage
         if isinstance(cov, dict):
             cov = cov.get(scenario)
-        return RuleBody(**{k: getattr(self, k) for k in RuleBody.model_fields
+        body = RuleBody(**{k: getattr(self, k) for k in RuleBody.model_fields
                            if k != "min_hit_coverage"}, min_hit_coverage=cov)
+        accept = body.accept_length
+        if scenario != "speculative" and accept is not None and accept.min is not None:
+            # a matrix's acceptance floor is its speculative scenario's (as ``accept_floor``)
+            body.accept_length = MetricLimits(**{k: v for k, v in accept.model_dump(
+                exclude_unset=True).items() if k != "min"})
+        return body
 
 
 class ReferenceSpec(Strict):
@@ -515,6 +526,14 @@ class MatrixFile(Strict):
                 directory = shipped_sglang_model_dir(entry.path)
                 if directory is not None:
                     entry.path = str(directory)
+        return self
+
+    @model_validator(mode="after")
+    def _multi_layer_mtp(self) -> MatrixFile:
+        if self.mtp.multi_layer and not engine_kind(self.engine).multi_layer_mtp:
+            raise ValueError(f"mtp.multi_layer: SGLang's multi-layer EAGLE worker (engine: "
+                             f"{' or '.join(kinds_with('multi_layer_mtp'))}), not the "
+                             f"{self.engine} engine's")
         return self
 
     @model_validator(mode="after")
@@ -895,6 +914,8 @@ def server_args(matrix: MatrixFile, s: dict[str, Any], model: ModelEntry) -> dic
         args.update({"speculative_algorithm": m.algorithm, "speculative_num_steps": m.num_steps,
                      "speculative_eagle_topk": m.eagle_topk,
                      "speculative_num_draft_tokens": m.num_draft_tokens or m.num_steps + 1})
+        if m.multi_layer:
+            args["enable_multi_layer_eagle"] = True
     if s["deterministic"]:
         args["enable_deterministic_inference"] = True
     for axis, arg in AXIS_ARGS.items():

@@ -235,6 +235,25 @@ def test_engine_env_keeps_to_its_allowlist_and_makes_its_own_fingerprint():
         cpu.check_engine_flags("embedded")
 
 
+def test_the_inkling_engines_variables_take_only_their_one_value_and_multi_layer_mtp_is_sglangs():
+    """Triton's interpreter and the environment's model package are each one value; a matrix's
+    ``mtp.multi_layer`` is SGLang's multi-layer EAGLE worker flag, set on its MTP configs only."""
+    env = {"TRITON_INTERPRET": "1", "SGLANG_EXTERNAL_MODEL_PACKAGE": "evalsvc_sglang_models"}
+    MatrixFile.model_validate({**BASE, "engine": "sglang", "engine_env": env}).check_engine_flags()
+    for name, value in [("TRITON_INTERPRET", "0"), ("SGLANG_EXTERNAL_MODEL_PACKAGE", "os")]:
+        bad = MatrixFile.model_validate({**BASE, "engine": "sglang",
+                                         "engine_env": {**env, name: value}})
+        with pytest.raises(ValueError, match=rf"engine_env\.{name}: .* not in"):
+            bad.check_engine_flags()
+    m = MatrixFile.model_validate({**BASE, "engine": "sglang", "axes": {"mtp": [False, True]},
+                                   "mtp": {"num_steps": 1, "multi_layer": True}})
+    args = {c.settings["mtp"]: c.args for c in expand(m)}
+    assert args[True]["enable_multi_layer_eagle"] is True
+    assert "enable_multi_layer_eagle" not in args[False]
+    with pytest.raises(ValueError, match=r"mtp\.multi_layer: .*engine: sglang"):
+        MatrixFile.model_validate({**BASE, "mtp": {"multi_layer": True}})
+
+
 def test_exclude_entries_match_as_before_and_in_linear_time():
     m = MatrixFile.model_validate({**BASE, "axes": {
         "strategy": ["no_buffer", "extra_buffer"], "overlap": [True, False],

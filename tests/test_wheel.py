@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "mamba2-eb-ov-c64"  # one config of the smoke matrix: about 30 s on two CPU cores
 SHIPPED = ["evalsvc/configs/smoke.yaml", "evalsvc/configs/smoke-bf16.yaml",
            "evalsvc/configs/mamba-full.yaml", "evalsvc/configs/sglang-cpu.yaml",
-           "evalsvc/configs/sglang-cpu-full.yaml",
+           "evalsvc/configs/sglang-cpu-full.yaml", "evalsvc/configs/sglang-inkling.yaml",
+           "evalsvc/engines/sglang_inkling_tiny.py",
+           "evalsvc/assets/sglang-models/inkling-tiny/model.safetensors",
            "evalsvc/configs/thresholds.yaml", "evalsvc/configs/nightly.yaml",
            "evalsvc/dashboard/templates/base.html", "evalsvc/dashboard/templates/overview.html",
            "evalsvc/dashboard/static/dashboard.css", "evalsvc/dashboard/static/dashboard.js"]

@@ -43,8 +43,13 @@ SGLANG_FLAGS = EMBEDDED_FLAGS | frozenset({
     "speculative_accept_threshold_single", "speculative_accept_threshold_acc",
     "speculative_attention_mode", "watchdog_timeout", "cuda_graph_backend_prefill",
     "mamba_max_states_per_path", "enable_int8_mamba_checkpoint", "int8_mamba_ckpt_size",
-    "sleep_on_idle",
+    "sleep_on_idle", "swa_full_tokens_ratio",
 })
+# SGLang's engine variables that take one value each: Triton's interpreter (SGLang's Triton kernels
+# with no CPU branch, Inkling's short convolutions, run in it) and the SGLang CPU environment's
+# model package (evalsvc.builds.sglang_cpu: model classes of this project's under Inkling's names)
+SGLANG_ENV_VALUES = {"TRITON_INTERPRET": ("1",),
+                     "SGLANG_EXTERNAL_MODEL_PACKAGE": ("evalsvc_sglang_models",)}
 EMBEDDED_MODEL_TYPE = "evalsvc_hybrid"  # what the embedded engine's config.json says
 
 
@@ -101,6 +106,8 @@ class EngineKind:
     # on a CPU (``extra_args.device: cpu``) serves its gated-deltanet layers with the ops a
     # matrix's ``cpu_ops`` picks (real SGLang's CPU engine)
     cpu_ops: bool = False
+    # serves MTP through SGLang's multi-layer EAGLE worker (a matrix's ``mtp.multi_layer``)
+    multi_layer_mtp: bool = False
     # the ``model_type`` values (config.json) of the models it serves; None: every other
     model_types: frozenset[str] | None = None
 
@@ -111,9 +118,10 @@ ENGINES: dict[str, EngineKind] = {e.name: e for e in (
                hardware="cpu", local_builds=True, injects_defects=True, shipped_models=True,
                model_types=frozenset({EMBEDDED_MODEL_TYPE})),
     EngineKind("sglang", _sglang_command, process_marker="sglang", flags=SGLANG_FLAGS,
-               env=frozenset({"SGLANG_USE_CPU_ENGINE", TREE_CORE_ENV}), hardware="gpu",
+               env=frozenset({"SGLANG_USE_CPU_ENGINE", TREE_CORE_ENV, *SGLANG_ENV_VALUES}),
+               hardware="gpu",
                uses_engine_envs=True, versioned=True, shipped_checkpoints=True, hub_models=True,
-               rust_tree_core=True, cpu_ops=True),
+               rust_tree_core=True, cpu_ops=True, multi_layer_mtp=True),
 )}
 DEFAULT_ENGINE = "embedded"  # a matrix's engine when it names none
 # the engine names as a type (pydantic fields: a matrix's ``engine``, a job's, an EngineSpec's)
