@@ -331,7 +331,7 @@ def judge_metric(scenario: str, metric: str, value: float | None, samples: dict[
         j.verdict, j.threshold = "regression", lim.max
         j.reason = f"{label} {value:.3g} above the limit {lim.max:.3g}"
         return j
-    elif sign < 0 and lim.min is not None and scenario == "speculative" and value < lim.min:
+    elif sign < 0 and lim.min is not None and value < lim.min:
         j.verdict, j.threshold = "regression", lim.min
         j.reason = f"{label} {value:.3f} below the floor {lim.min:.3f}"
         return j

@@ -5,15 +5,18 @@ The file has ``defaults``, then ``rules`` applied in order: a rule whose ``match
 scenario overrides the fields it sets (later rules win). ``match`` keys: ``matrix``, ``engine``,
 ``config`` (a glob), ``model``, ``scenario`` and any matrix axis (``strategy``, ``radix_cache``,
 ``overlap``, ``chunked_prefill``, ``hicache``, ``mtp``, ``deterministic``); a list means any of. A
-matrix may carry its own ``thresholds`` and per-model ``accept_floor``, applied last.
+matrix may carry its own ``thresholds`` and per-model ``accept_floor`` (the ``speculative``
+scenario's), applied last.
 
 Metrics: ``kl_k3_mean`` (the generated tokens against the reference: SGLang's method),
 ``extend_kl_k3_mean`` (the prompt tokens prefilled on a cached prefix against a cold prefill; hit
 scenarios only) and ``accept_length`` (speculative decoding).
 
 Per metric: ``max`` / ``min`` are fixed limits (a value beyond one is a regression whatever the
-history says); ``min_effect`` and ``relative_effect`` are the smallest change against the baseline
-that the history test calls a regression (the larger of ``min_effect`` and ``relative_effect`` x the
+history says; an acceptance floor holds in the scenarios its rule matches, most rules naming the
+``speculative`` scenario, the one that exists to measure it); ``min_effect`` and
+``relative_effect`` are the smallest change against the baseline that the history test calls a
+regression (the larger of ``min_effect`` and ``relative_effect`` x the
 baseline mean): a difference must be both statistically clear and this large; ``tail: true`` adds
 the history's tail test (a few samples far out, each beyond that floor and, with ``tail_factor``,
 at least that many times the baseline's median sample, or ``noise`` where that is larger: the
@@ -162,6 +165,6 @@ def limits_for(*, matrix: str, engine: str, config: str, model: str, settings: d
             limits.rules.append(i)
     if matrix_thresholds is not None:
         _apply(limits, matrix_thresholds.for_scenario(scenario))
-    if accept_floor is not None:
+    if accept_floor is not None and scenario == "speculative":
         limits.accept_length = limits.accept_length.model_copy(update={"min": accept_floor})
     return limits

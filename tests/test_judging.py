@@ -177,3 +177,28 @@ def test_a_scenario_failing_only_as_known_failures_is_expected():
     assert after_history("inconclusive", "too few hits", [known]) == ("inconclusive", "too few hits")
     assert after_history("expected", known.reason, [ok]) == ("pass", None)  # judged again
     assert after_history("fail", "why", [ok]) == ("fail", "why")
+
+
+def test_an_acceptance_floor_holds_in_the_scenarios_its_rule_matches():
+    """The shipped floors name the speculative scenario; the exact draft's (inkling-tiny on real
+    SGLang) holds in every scenario, where PR #37165's bug shows wherever it strikes; a matrix's
+    own floor (``thresholds`` or a model's ``accept_floor``) is its speculative scenario's."""
+    from evalsvc.matrix import Thresholds
+    from evalsvc.thresholds import limits_for
+
+    def floor(model, scenario, **kw):
+        return limits_for(matrix="m", engine="sglang", config="c", model=model,
+                          settings={"mtp": True}, scenario=scenario, **kw).accept_length.min
+
+    assert (floor("qwen3-next-tiny", "speculative"), floor("qwen3-next-tiny", "branching")) == \
+        (1.3, None)
+    assert floor("inkling-tiny", "speculative") == floor("inkling-tiny", "branching") == 1.98
+    own = Thresholds.model_validate({"accept_length": {"min": 1.5, "min_effect": 0.1}})
+    assert (floor("x", "speculative", matrix_thresholds=own),
+            floor("x", "cold", matrix_thresholds=own)) == (1.5, None)
+    assert (floor("x", "speculative", accept_floor=2.0), floor("x", "cold", accept_floor=2.0)) == \
+        (2.0, None)
+    limits = limits_for(matrix="m", engine="sglang", config="c", model="inkling-tiny",
+                        settings={"mtp": True}, scenario="branching")
+    verdict, reason = judge_scenario("branching", {"accept_length": 1.9}, limits, uses_mtp=True)
+    assert (verdict, reason) == ("fail", "accept length 1.900 below the floor 1.980")

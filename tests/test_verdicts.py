@@ -15,6 +15,9 @@ HS = HistorySettings()
 KL = Limits(kl_k3_mean=MetricLimits(max=1e-8, min_effect=1e-9),
             accept_length=MetricLimits(min=1.96, min_effect=0.02, relative_effect=0.03),
             min_hit_coverage=0.5)
+# a hit scenario's acceptance: the floor's rules name the speculative scenario, the history judges
+NO_FLOOR = KL.model_copy(update={"accept_length": MetricLimits(min_effect=0.02,
+                                                               relative_effect=0.03)})
 
 
 def history(rng, n_runs=5, n=8, mean=1e-13, sd=2e-14) -> Series:
@@ -99,9 +102,12 @@ def test_acceptance_drop_is_judged_on_its_own_with_kl_unchanged():
         hist.run_ids.append(i)
         hist.values.append(float(x.mean()))
         hist.samples.append(by_id(x))
-    j = judge(rng.normal(1.80, 0.15, 16), hist=hist, metric="accept_length")
+    j = judge(rng.normal(1.80, 0.15, 16), hist=hist, metric="accept_length", limits=NO_FLOOR)
     assert (j.verdict, j.method) == ("regression", "history"), j
-    better = judge(rng.normal(2.30, 0.15, 16), hist=hist, metric="accept_length")
+    assert judge([1.80] * 16, metric="accept_length", scenario="speculative").reason == \
+        "accept length 1.800 below the floor 1.960"
+    better = judge(rng.normal(2.30, 0.15, 16), hist=hist, metric="accept_length",
+                   limits=NO_FLOOR)
     assert better.verdict == "improvement"
 
 
@@ -218,12 +224,12 @@ def test_pairing_by_prompt_sees_a_drop_that_prompt_to_prompt_spread_hides():
         hist.values.append(float(x.mean()))
         hist.samples.append(by_id(x))
     contender = level - 0.1 + rng.normal(0, 0.02, 16)
-    j = judge(contender, hist=hist, metric="accept_length")
+    j = judge(contender, hist=hist, metric="accept_length", limits=NO_FLOOR)
     assert (j.verdict, j.method, j.evidence["test"], j.evidence["pairs"]) == (
         "regression", "history", "paired_t", 16)
     unpaired = judge_metric("prefill_hit", "accept_length", float(contender.mean()),
-                            {f"other-{i}": float(v) for i, v in enumerate(contender)}, KL,
-                            hist, HS)
+                            {f"other-{i}": float(v) for i, v in enumerate(contender)},
+                            NO_FLOOR, hist, HS)
     assert (unpaired.verdict, unpaired.evidence["test"]) == ("pass", "welch")
 
 
