@@ -410,3 +410,46 @@ def test_the_cpu_conv_patch_carries_the_state(sglang_python, kernel_dir, tmp_pat
     assert later[0]["lens"] == [12, 2, 1]
     assert later[0]["state_holds_last_tokens"] == [True, False, False], released
     assert released["other_slots_moved"] == 0.0, released
+
+
+INKLING = "inkling-tiny-eb-ov-c128-mtp"  # extra_buffer, overlap, chunks of 128, MTP
+
+
+def _inkling_run(python: Path, tmp_path: Path, name: str, *patches: str) -> tuple[int, dict]:
+    """``evalsvc run sglang-inkling`` on SGLang 0.5.19 with ``patches``, as a user types it: its
+    exit status and its rows by scenario."""
+    env = {**os.environ, "EVALSVC_DATA_DIR": str(tmp_path / "data"), MARK: tmp_path.name}
+    out = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "evalsvc"), "run", "sglang-inkling", "--engine", "sglang",
+         "--engine-python", str(python), "--source", "sglang==0.5.19",
+         *(a for p in patches for a in ("--patch", p)), "--config", INKLING, "--no-store",
+         "--out", str(tmp_path / name)],
+        env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode in (0, 1), out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / name / "summary.json").read_text())
+    return out.returncode, {r["scenario"]: r for r in rows}
+
+
+def test_37165_fails_the_drafts_acceptance_in_0519_and_its_fix_passes(sglang_python, tmp_path):
+    """PR #37165's bug in a real release: SGLang 0.5.19 keeps a prefill's deferred Mamba clear and
+    copy-on-write indices on the batch, and its multi-layer EAGLE worker replays them on the
+    draft's own conv state at the draft extend of later decode steps. The tiny Inkling-architecture
+    model's draft is exact with its state right (accept length 2 of 2, every scenario); 0.5.19
+    fails where the stale replay reaches a running request's draft state, through acceptance
+    alone (the target's tokens and KL are untouched), and 0.5.19 with the fix patched in passes
+    everywhere."""
+    fixed_rc, fixed = _inkling_run(sglang_python, tmp_path, "fixed",
+                                   "pr37165-clear-deferred-mamba-metadata")
+    assert fixed_rc == 0, {s: (r["verdict"], r["reason"]) for s, r in fixed.items()}
+    assert {s: r["accept_length"] for s, r in fixed.items()} == dict.fromkeys(fixed, 2.0)
+    assert all(r["hit_coverage"] == 1.0 for s, r in fixed.items() if s != "cold")
+
+    buggy_rc, buggy = _inkling_run(sglang_python, tmp_path, "buggy")
+    assert buggy_rc == 1
+    failed = {s for s, r in buggy.items() if r["verdict"] == "fail"}
+    assert failed, {s: (r["verdict"], r["accept_length"]) for s, r in buggy.items()}
+    for s in failed:
+        assert buggy[s]["accept_length"] < 2.0 and "accept length" in buggy[s]["reason"], buggy[s]
+    for s, r in buggy.items():  # the target is untouched: the same tokens, the same KL
+        assert r["kl_k3_mean"] == pytest.approx(fixed[s]["kl_k3_mean"], abs=1e-9), s
+    assert not marked_processes(MARK, tmp_path.name), "the engine was left running"
