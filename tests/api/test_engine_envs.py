@@ -145,7 +145,7 @@ def test_without_a_default_a_job_names_one(tmp_path):
 def test_models_are_listed_and_named(client, tmp_path):
     models = {m["name"]: m for m in client.get("/api/v1/models").json()}
     assert set(models) == {"hybrid-gdn-tiny", "hybrid-mamba2-tiny", "qwen3-next-tiny",
-                           "mamba2-mine"}
+                           "inkling-tiny", "mamba2-mine"}
     assert models["mamba2-mine"]["origin"] == "EVALSVC_MODELS_DIR"
     assert models["mamba2-mine"]["engine"] == "embedded"
     mine = str(tmp_path / "models" / "mamba2-mine")
