@@ -358,14 +358,8 @@ class Thresholds(RuleBody):
         cov = self.min_hit_coverage
         if isinstance(cov, dict):
             cov = cov.get(scenario)
-        body = RuleBody(**{k: getattr(self, k) for k in RuleBody.model_fields
+        return RuleBody(**{k: getattr(self, k) for k in RuleBody.model_fields
                            if k != "min_hit_coverage"}, min_hit_coverage=cov)
-        accept = body.accept_length
-        if scenario != "speculative" and accept is not None and accept.min is not None:
-            # a matrix's acceptance floor is its speculative scenario's (as ``accept_floor``)
-            body.accept_length = MetricLimits(**{k: v for k, v in accept.model_dump(
-                exclude_unset=True).items() if k != "min"})
-        return body
 
 
 class ReferenceSpec(Strict):

@@ -163,8 +163,11 @@ def limits_for(*, matrix: str, engine: str, config: str, model: str, settings: d
         if matches(rule.match, facts):
             _apply(limits, rule)
             limits.rules.append(i)
+    rules_floor = limits.accept_length.min
     if matrix_thresholds is not None:
         _apply(limits, matrix_thresholds.for_scenario(scenario))
-    if accept_floor is not None and scenario == "speculative":
+    if accept_floor is not None:
         limits.accept_length = limits.accept_length.model_copy(update={"min": accept_floor})
+    if scenario != "speculative":  # a matrix's own floors are its speculative scenario's
+        limits.accept_length = limits.accept_length.model_copy(update={"min": rules_floor})
     return limits
