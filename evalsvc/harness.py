@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,15 @@ from evalsvc.engines.sglang_server import (
 from evalsvc.matrix import Config, MatrixFile
 from evalsvc.paths import inside
 from evalsvc.scenarios import SCENARIO_RUNNERS, Context, Sample
-from evalsvc.types import RunResult, SampleFields, ScenarioResult, TopLogprobs, worst
+from evalsvc.types import (
+    EventQueue,
+    RunEvent,
+    RunResult,
+    SampleFields,
+    ScenarioResult,
+    TopLogprobs,
+    worst,
+)
 
 log = logging.getLogger("evalsvc.harness")
 DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergence
@@ -53,13 +61,15 @@ DIVERGENCE_TOL = 1e-4  # |logprob difference| that counts as the first divergenc
 
 class RunControl:
     """Lets another thread watch a run's engine and stop the run (cancel): the engine's process
-    group is stopped at once, and no further scenario starts. ``on_engine(pid)`` as soon as the
-    run's engine process exists (the dispatcher's caller records it)."""
+    group is stopped at once, and no further scenario starts. As soon as the run's engine process
+    exists, a ``RunEvent(run_id, "engine", pid)`` goes on ``events`` (the job's queue: the job
+    records the pid)."""
 
-    def __init__(self, on_engine: Callable[[int], None] | None = None) -> None:
+    def __init__(self, run_id: int = 0, events: EventQueue | None = None) -> None:
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
-        self._on_engine = on_engine
+        self._run_id = run_id
+        self._events = events
         self.proc: EngineProcess | None = None
 
     @property
@@ -69,8 +79,8 @@ class RunControl:
     def engine_started(self, proc: EngineProcess) -> None:
         with self._lock:
             self.proc = proc
-            if self._on_engine is not None:
-                self._on_engine(proc.proc.pid)
+            if self._events is not None:
+                self._events.put(RunEvent(self._run_id, "engine", proc.proc.pid))
             if self.cancelled:
                 proc.stop()
 

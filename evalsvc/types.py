@@ -11,7 +11,7 @@ import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Annotated, Any, NotRequired, TypedDict
+from typing import Annotated, Any, Literal, NotRequired, Protocol, TypedDict
 
 
 class Verdict(StrEnum):
@@ -64,6 +64,24 @@ class RunStatus(StrEnum):
     RUNNING = "running"
     DONE = "done"
     CANCELLED = "cancelled"  # cancelled while it ran (its verdict says so too)
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """What a dispatcher tells the job of one of its runs as it happens, a value on the job's
+    queue (``Dispatcher.submit``'s ``events``): ``started`` when a slot starts it, ``engine`` once
+    its engine's process exists on this machine (``pid``: its process group), ``ended`` once its
+    future is done (``jobs.run.run_job`` posts that one itself)."""
+
+    run_id: int
+    kind: Literal["started", "engine", "ended"]
+    pid: int | None = None
+
+
+class EventQueue(Protocol):
+    """Where a job's ``RunEvent``s go: a ``queue.Queue`` (its ``put``)."""
+
+    def put(self, event: RunEvent) -> None: ...
 
 
 @dataclass

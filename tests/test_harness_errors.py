@@ -372,8 +372,20 @@ def test_evaluation_goes_on_after_an_engine_dies(tmp_path):
 
 # ---- 4b. engines that hang: the run's deadline ----------------------------------------------------
 
+class OnEngine:
+    """The job's event queue as the harness sees it (its ``put``), calling ``fn(pid)`` with the
+    engine's pid as the harness puts it there: at once, in the run's own thread."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def put(self, event) -> None:
+        assert event.kind == "engine"
+        self.fn(event.pid)
+
+
 def stop_at_first_batch(monkeypatch: pytest.MonkeyPatch, stopped: threading.Event):
-    """An ``on_engine`` hook that SIGSTOPs the engine's process group as the run sends it its first
+    """A hook (``OnEngine``) that SIGSTOPs the engine's process group as the run sends it its first
     batch of ``/generate`` requests (once it is up, not its warm-up or health checks): mid-scenario,
     with the requests in flight and never answered. Stopped before the batch goes out, not once
     the engine reports a request running: a batch of three 100-token prompts and 8 new tokens ends
@@ -404,7 +416,7 @@ def test_engine_stopped_mid_scenario_is_an_error_within_the_deadline(tmp_path, m
         "workload": {"num_prompts": 3, "max_new_tokens": 64}, "include": [{"strategy": "auto"}]})
     stopped, pids = threading.Event(), []
     stop = stop_at_first_batch(monkeypatch, stopped)
-    control = harness.RunControl(on_engine=lambda pid: (pids.append(pid), stop(pid)))
+    control = harness.RunControl(events=OnEngine(lambda pid: (pids.append(pid), stop(pid))))
     t0 = time.monotonic()
     r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control)
@@ -435,7 +447,7 @@ def test_engine_stopped_at_start_is_an_error_at_the_deadline(tmp_path, no_engine
 
     t0 = time.monotonic()
     r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=120), PROMPTS, log_dir=tmp_path,
-                   control=harness.RunControl(on_engine=freeze))
+                   control=harness.RunControl(events=OnEngine(freeze)))
     assert time.monotonic() - t0 < 5 + 15
     assert r.verdict == "error"
     assert r.reason == ("engine did not start: the run's deadline of 5 s (run_timeout_s) passed: "
@@ -453,7 +465,7 @@ def test_request_timeouts_are_sized_to_the_work(tmp_path, monkeypatch, no_engine
     matrix, configs = load(tmp_path / "m.yaml", {**EMBEDDED, "include": [{"strategy": "auto"}]})
     frozen, pids = threading.Event(), []
     stop = stop_at_first_batch(monkeypatch, frozen)
-    control = harness.RunControl(on_engine=lambda pid: (pids.append(pid), stop(pid)))
+    control = harness.RunControl(events=OnEngine(lambda pid: (pids.append(pid), stop(pid))))
     r = run_judged(configs[0], matrix, EngineSpec(startup_timeout=60), PROMPTS, log_dir=tmp_path,
                    control=control, run_timeout_s=1800)
     allowed = work_seconds([{"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}

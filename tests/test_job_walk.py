@@ -1,8 +1,10 @@
 """One REST job followed from ``api/routes.py:create_job`` to its stored verdicts
 (``tests/walk.py``): its call chain never calls back into a module already on its stack below
-another. The service's cancel and shutdown reach the job as events (``RunOptions.cancelled`` and
-``stopping``), a transaction tried again is a loop in its caller (``Store.attempts``), the engine's
-pid goes up as a value (``RunControl``), and nothing hands the job a hook into the service."""
+another, nor up into a higher layer (a callback on another thread). The service's cancel and
+shutdown reach the job as events (``RunOptions.cancelled`` and ``stopping``), a transaction tried
+again is a loop in its caller (``Store.attempts``), the dispatcher and the harness tell the job of
+its runs by values on the job's queue (``RunEvent``: started, the engine's pid, ended), and nothing
+hands the job a hook into the service."""
 
 from __future__ import annotations
 

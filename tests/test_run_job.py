@@ -4,6 +4,7 @@ at once, no engine), and both the job service and ``evalsvc run`` going through 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from evalsvc.jobs.builds import ReadyBuild
 from evalsvc.jobs.run import JobCancelled, JobOutcome, RunOptions, run_job
 from evalsvc.jobs.spec import BuildSpec, JobSpec
 from evalsvc.matrix import load_matrix
+from evalsvc.types import RunEvent
 
 CONFIGS = ["mamba2-eb-ov-c64", "mamba2-nb-sync-c64"]
 
@@ -32,10 +34,10 @@ class Answering:
         self.tasks: list = []
         self.cancelled: list[str] = []
 
-    def submit(self, task, on_start=None, on_engine=None) -> Future:
+    def submit(self, task, events=None) -> Future:
         self.tasks.append(task)
-        if on_start is not None:
-            on_start()
+        if events is not None:
+            events.put(RunEvent(task.run_id, "started"))
         fut: Future = Future()
         verdict = self.verdicts.get(task.config.name, "pass")
         if isinstance(verdict, Exception):
@@ -68,15 +70,14 @@ def options(tmp_path: Path, **kwargs) -> RunOptions:
 
 def test_a_job_without_a_store_runs_its_configs_in_order(tmp_path):
     dispatcher = Answering({CONFIGS[1]: "fail"})
-    started: list[int] = []
     ended: list[tuple[str, str, str | None]] = []
     outcome = run_job("cli-x", smoke_job(), dispatcher, None, options(
-        tmp_path, per_build_logs=False, on_start=started.append,
+        tmp_path, per_build_logs=False,
         on_result=lambda p, r, failure: ended.append((p.config.name, r.verdict, failure))))
     assert (outcome.status, outcome.error, outcome.failures) == ("done", None, [])
     assert [r.config for r in outcome.results] == CONFIGS
     assert ended == [(CONFIGS[0], "pass", None), (CONFIGS[1], "fail", None)]
-    assert [t.run_id for t in dispatcher.tasks] == started == [0, 1]
+    assert [t.run_id for t in dispatcher.tasks] == [0, 1]
     assert {t.log_dir for t in dispatcher.tasks} == {str(tmp_path / "logs")}
     assert all(t.job_id == "cli-x" and len(t.prompts) == 8 for t in dispatcher.tasks)
 
@@ -99,6 +100,71 @@ def test_a_cancelled_job_hands_no_run_over(tmp_path):
     with pytest.raises(JobCancelled):
         run_job("api-x", smoke_job(), dispatcher, None, options(tmp_path, cancelled=cancelled))
     assert dispatcher.tasks == []
+
+
+class Holding(Answering):
+    """A dispatcher whose runs report their start and their engine's pid (40000 + the run id) at
+    once, and end when the test ends them (``end``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.futures: dict[int, Future] = {}
+
+    def submit(self, task, events=None) -> Future:
+        events.put(RunEvent(task.run_id, "started"))
+        events.put(RunEvent(task.run_id, "engine", 40000 + task.run_id))
+        self.futures[task.run_id] = Future()
+        self.tasks.append(task)
+        return self.futures[task.run_id]
+
+    def end(self, n: int) -> None:
+        task = self.tasks[n]
+        self.futures[task.run_id].set_result(task.outcome("pass", ""))
+
+
+def test_a_dispatchers_reports_are_stored_and_each_run_recorded_as_it_ends(tmp_path, monkeypatch):
+    """The dispatcher tells the job of its runs by values on the job's queue, never a call into
+    the job or the service: the service's job shows each run ``running`` with its engine's pid
+    while it runs, and records a run as soon as it ends (the second before the first, here)."""
+    from sqlalchemy import select
+
+    from evalsvc.jobs import JobCreate, JobService
+    from evalsvc.settings import Settings
+    from evalsvc.store.db import Store
+    from evalsvc.store.models import Run
+
+    monkeypatch.delenv("EVALSVC_DATABASE_URL", raising=False)
+    settings = Settings(data_dir=tmp_path / "service")
+    store = Store(settings.resolved_database_url())
+    dispatcher = Holding()
+
+    def runs() -> list[tuple[str, int | None, str | None]]:
+        with store.session() as s:
+            return [(r.status, r.engine_pid, r.verdict)
+                    for r in s.scalars(select(Run).where(Run.job_id == job_id).order_by(Run.id))]
+
+    def until(want) -> None:
+        deadline = time.monotonic() + 30
+        while runs() != want():
+            assert time.monotonic() < deadline, runs()
+            time.sleep(0.05)
+
+    try:
+        service = JobService(settings, store, dispatcher)
+        job_id = service.submit(JobCreate(matrix="smoke", configs=CONFIGS))
+        ended: list = []
+        runner = threading.Thread(target=lambda: ended.append(service._execute(job_id)))
+        runner.start()
+        until(lambda: [("running", 40000 + t.run_id, None) for t in dispatcher.tasks] or None)
+        first = dispatcher.tasks[0].run_id
+        dispatcher.end(1)
+        until(lambda: [("running", 40000 + first, None), ("done", None, "pass")])
+        dispatcher.end(0)
+        runner.join(30)
+        assert ended == [("done", None)]
+        assert runs() == [("done", None, "pass"), ("done", None, "pass")]
+    finally:
+        store.close()
 
 
 def test_a_dry_run_answers_the_command_lines_and_launches_nothing(tmp_path):

@@ -12,7 +12,9 @@ module visited once in one stretch returns 0 times). The engine's own process is
 (it is another process), nor are the threads that were busy before the POST with other work (the
 nightly scheduler's). Also recorded, its re-entries: the call sites where the job's call chain
 calls back into a module already on its stack below another (A calls B, which calls A: a
-callback), counted once each.
+callback), or up into a module on a higher floor than its caller's (``tests/test_layers.py``: a
+lower layer can reach a higher one only through a callable handed down to it, as a callback run
+on another thread, where the stack below it is not the job's), counted once each.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.test_layers import floor
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = str(ROOT / "evalsvc") + os.sep
 RESULTS = Path(__file__).parent / "results"
@@ -32,6 +36,11 @@ RESULTS = Path(__file__).parent / "results"
 
 def module_of(filename: str) -> str:
     return "evalsvc/" + filename[len(PACKAGE):]
+
+
+def floor_of(module: str) -> int:
+    """``tests/test_layers.py``'s floor of a walk's module (``evalsvc/jobs/run.py``)."""
+    return floor(module.removesuffix(".py").removesuffix("/__init__").replace("/", "."))
 
 
 class Walk:
@@ -69,8 +78,9 @@ class Walk:
             # a comprehension or generator expression runs where another module consumes it,
             # yet a reader reads it in place: no re-entry
             inline = code.co_name.startswith("<") and code.co_name != "<lambda>"
-            if caller is not None and caller[0] != module and not inline and \
-                    any(m == module for m, _ in stack[:-1]):
+            if caller is not None and caller[0] != module and not inline and (
+                    any(m == module for m, _ in stack[:-1])
+                    or floor_of(module) > floor_of(caller[0])):
                 site = (f"{caller[0]}:{caller[1]}", f"{module}:{code.co_qualname}")
                 self.reentries[site] = self.reentries.get(site, 0) + 1
 

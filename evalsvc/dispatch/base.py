@@ -12,7 +12,6 @@ the service to record what the build is before it plans the runs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from evalsvc.engines.base import EngineSpec
 from evalsvc.harness import RunControl, run_config, run_timeout
 from evalsvc.logs import log_context
 from evalsvc.matrix import Config, MatrixFile
-from evalsvc.types import RunResult, Verdict
+from evalsvc.types import EventQueue, RunResult, Verdict
 
 log = logging.getLogger("evalsvc.dispatch")
 
@@ -200,10 +199,10 @@ class Dispatcher(Protocol):
         """``prepare_build`` on a machine where the runs will go, over the SGLang environment
         ``python`` (there: the one named ``env_name``); BuildError if it fails there."""
 
-    def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
-               on_engine: Callable[[int], None] | None = None) -> Future:
-        """Queue a run; the future yields its RunResult. ``on_start()`` when a slot starts it,
-        ``on_engine(pid)`` when its engine process is up."""
+    def submit(self, task: RunTask, events: EventQueue | None = None) -> Future:
+        """Queue a run; the future yields its RunResult. On ``events``, as they happen (values,
+        not calls into the job): ``RunEvent(run_id, "started")`` when a slot starts it, and
+        ``RunEvent(run_id, "engine", pid)`` when its engine process is up on this machine."""
 
     def cancel_job(self, job_id: str) -> None:
         """Stop every run of a job: engines stopped, no further scenario."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from evalsvc.dispatch.base import RunTask, execute, prepare_build
 from evalsvc.harness import RunControl
-from evalsvc.types import RunResult, Verdict
+from evalsvc.types import EventQueue, RunEvent, RunResult, Verdict
 
 
 class LocalDispatcher:
@@ -27,20 +27,18 @@ class LocalDispatcher:
         self._controls: dict[int, tuple[str, RunControl]] = {}
         self._lock = threading.Lock()
 
-    def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
-               on_engine: Callable[[int], None] | None = None) -> Future:
-        control = RunControl(on_engine)
+    def submit(self, task: RunTask, events: EventQueue | None = None) -> Future:
+        control = RunControl(task.run_id, events)
         with self._lock:
             self._controls[task.run_id] = (task.job_id, control)
-        return self._pool.submit(self._run, task, control, on_start)
+        return self._pool.submit(self._run, task, control, events)
 
-    def _run(self, task: RunTask, control: RunControl,
-             on_start: Callable[[], None] | None) -> RunResult:
+    def _run(self, task: RunTask, control: RunControl, events: EventQueue | None) -> RunResult:
         try:
             if control.cancelled:  # cancelled while it waited for a slot
                 return task.outcome(Verdict.CANCELLED, "the job was cancelled")
-            if on_start is not None:
-                on_start()
+            if events is not None:
+                events.put(RunEvent(task.run_id, "started"))
             if self._execute is not None:
                 return self._execute(task, control)
             return execute(task, control, builds_dir=self.builds_dir)

@@ -31,9 +31,9 @@ and stays the only writer of the store. Only this module imports ``ray`` (``pip 
   their engines, at nice 15: start the nodes with ``RAY_worker_niceness=0`` to run them at normal
   priority.
 * Progress: the tasks report to a small actor (``Board``, on the head node) when they start and
-  when their engine is up; a monitor thread here drains it and calls ``on_start`` / ``on_engine``.
-  ``on_engine(pid)`` is called only for engines on this machine (same boot and PID namespace), the
-  only ones a restarted service can stop itself; an engine elsewhere dies with its Ray worker.
+  when their engine is up; a monitor thread here drains it and puts the job's ``RunEvent``s on its
+  queue (``started``; ``engine`` only for engines on this machine, same boot and PID namespace, the
+  only ones a restarted service can stop itself; an engine elsewhere dies with its Ray worker).
 * Cancel: ``cancel_job`` marks the job on the board; a watcher thread in each task stops its
   engine (the harness returns a ``cancelled`` result), and a task that had not started returns
   ``cancelled`` at once, as with the local dispatcher.
@@ -59,12 +59,12 @@ import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import shutil
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,7 @@ from evalsvc.engines.registry import engine_kind
 from evalsvc.harness import RunControl
 from evalsvc.paths import keep_earlier
 from evalsvc.settings import Settings
-from evalsvc.types import RunResult, Verdict
+from evalsvc.types import EventQueue, RunEvent, RunResult, Verdict
 
 log = logging.getLogger("evalsvc.dispatch.ray")
 POLL_SECONDS = 0.5  # how often the monitor and the tasks' cancel watchers look at the board
@@ -286,14 +286,21 @@ def run_on_worker(wire: dict[str, Any], board, slot_resource: str) -> dict[str, 
     log_dir = run_dir(task.run_id)
     local = task.model_copy(update={"engine": engine, "log_dir": str(log_dir)})
     key = machine_key()
-    control = RunControl(on_engine=lambda pid: report("engine", pid=pid, machine=key))
+    engine_up: queue.Queue[RunEvent] = queue.Queue()
+    control = RunControl(task.run_id, engine_up)
     done = threading.Event()
 
     def watch() -> None:
-        while not done.wait(POLL_SECONDS):
-            if is_cancelled():
-                control.cancel()
-                return
+        """The engine's pid reported as it comes; the job's cancel looked at every POLL_SECONDS."""
+        while not done.is_set():
+            try:
+                event = engine_up.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if is_cancelled():
+                    control.cancel()
+                    return
+            else:
+                report("engine", pid=event.pid, machine=key)
 
     watcher = threading.Thread(target=watch, name=f"cancel-watch-{task.run_id}", daemon=True)
     watcher.start()
@@ -320,8 +327,7 @@ class _Flight:
     future: Future
     ref: Any
     need: int
-    on_start: Callable[[], None] | None
-    on_engine: Callable[[int], None] | None
+    events: EventQueue | None
     attempts: int = 0
     where: str = ""
     error: str | None = None  # why the dispatcher itself cancelled it
@@ -384,8 +390,7 @@ class RayDispatcher:
                 signal.signal(signal.SIGTERM, previous)
 
     # ---- the Dispatcher interface --------------------------------------------------------
-    def submit(self, task: RunTask, on_start: Callable[[], None] | None = None,
-               on_engine: Callable[[int], None] | None = None) -> Future:
+    def submit(self, task: RunTask, events: EventQueue | None = None) -> Future:
         future: Future = Future()
         need = slots_needed({"args": task.config.args})
         problem = self._infeasible(need)
@@ -402,7 +407,7 @@ class RayDispatcher:
                                    name=f"evalsvc-run-{task.run_id}").remote(
             task.to_wire(), self._board, self.slot_resource)
         with self._lock:
-            self._flights[task.run_id] = _Flight(task, future, ref, need, on_start, on_engine)
+            self._flights[task.run_id] = _Flight(task, future, ref, need, events)
         self._wake.set()
         return future
 
@@ -531,21 +536,15 @@ class RayDispatcher:
             with _run_log(flight.task):
                 log.info("run %s started (attempt %d) on %s", run_id, flight.attempts,
                          flight.where)
-            if flight.attempts == 1 and flight.on_start is not None:
-                self._call(flight, flight.on_start)
+            if flight.attempts == 1 and flight.events is not None:
+                flight.events.put(RunEvent(run_id, "started"))
         elif kind == "engine":
             local = info["machine"] == self._machine
             with _run_log(flight.task):
                 log.info("run %s: engine pid %d up on %s%s", run_id, info["pid"], flight.where,
                          "" if local else " (another machine)")
-            if local and flight.on_engine is not None:
-                self._call(flight, lambda: flight.on_engine(info["pid"]))
-
-    def _call(self, flight: _Flight, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception:
-            log.exception("run %s: callback", flight.task.run_id)
+            if local and flight.events is not None:
+                flight.events.put(RunEvent(run_id, "engine", info["pid"]))
 
     def _finish(self, flight: _Flight) -> None:
         ray = self._ray

@@ -30,7 +30,7 @@ from evalsvc.store.record import (
     write_samples_parquet,
 )
 from evalsvc.thresholds import ThresholdsFile
-from evalsvc.types import RunResult
+from evalsvc.types import RunEvent, RunResult
 from evalsvc.verdicts import compare_builds, run_history, stored_limits, track
 
 log = logging.getLogger("evalsvc.jobs")
@@ -71,6 +71,23 @@ def plan_build_runs(store: Store, job_id: str, ref: BuildRef, matrix: MatrixFile
                 run = plan_run(s, job, build, name, cfg, limits)
                 out.append(PlannedRun(run.id, build.id, run.status, cfg))
     return out
+
+
+def record_progress(store: Store, event: RunEvent) -> None:
+    """A run's start (``running``) or its engine's pid (the process group a restarted service
+    stops), as its dispatcher reported them (``started``, ``engine``). A write still failing after
+    its tries is logged, and the run goes on: its record says how it ended."""
+    what = "its start" if event.kind == "started" else "its engine's pid"
+    try:
+        for attempt in store.attempts(f"run {event.run_id}: {what}"):
+            with attempt as s:
+                run = s.get(Run, event.run_id)
+                if event.kind == "started":
+                    run.status = "running"
+                else:
+                    run.engine_pid = event.pid
+    except SQLAlchemyError:
+        log.exception("run %d: %s could not be written", event.run_id, what)
 
 
 def judged_copy(result: RunResult) -> RunResult:

@@ -3,17 +3,19 @@
 The workload is loaded, its prompts tokenized, each build of the job made ready, its configs
 planned into runs (pending runs in the store, when there is one), the runs handed to a dispatcher,
 and each finished run recorded in a transaction of its own (``jobs.record.record_result``) as it
-ends. What differs between the service and the command line is told by ``RunOptions``: the
-service's cancel and shutdown and the store writes of a run's start, the command line's builds made
-before its job starts, its reference servers and progress (its own dispatcher,
-``evaluate.run_local``), ``--no-store`` (no store: the results are only returned) and
-``--dry-run`` (the command lines, nothing launched). Who runs the job writes its end
-(``jobs.record.end_job``): the service's runner, or ``evalsvc run``.
+ends. The dispatcher tells the job of its runs by values on the job's queue (``RunEvent``: a run
+started, its engine's pid; ``run_job`` writes them), never by a call into the job. What differs
+between the service and the command line is told by ``RunOptions``: the service's cancel and
+shutdown, the command line's builds made before its job starts, its reference servers and
+progress (its own dispatcher, ``evaluate.run_local``), ``--no-store`` (no store: the results are
+only returned) and ``--dry-run`` (the command lines, nothing launched). Who runs the job writes
+its end (``jobs.record.end_job``): the service's runner, or ``evalsvc run``.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
@@ -27,7 +29,15 @@ from evalsvc.dispatch.base import RunTask
 from evalsvc.engines.base import EngineSpec, engine_command
 from evalsvc.jobs.builds import ReadyBuild, ready_build
 from evalsvc.jobs.plan import plan_runs
-from evalsvc.jobs.record import JobCancelled, PlannedRun, describe, fail_run, plan_build_runs, record_result
+from evalsvc.jobs.record import (
+    JobCancelled,
+    PlannedRun,
+    describe,
+    fail_run,
+    plan_build_runs,
+    record_progress,
+    record_result,
+)
 from evalsvc.jobs.spec import JobSpec
 from evalsvc.matrix import Config
 from evalsvc.paths import inside
@@ -35,7 +45,7 @@ from evalsvc.store.db import Store
 from evalsvc.store.models import Run
 from evalsvc.store.record import ensure_job
 from evalsvc.tokenization import tokenized
-from evalsvc.types import RunResult
+from evalsvc.types import RunEvent, RunResult
 
 log = logging.getLogger("evalsvc.jobs")
 
@@ -65,8 +75,6 @@ class RunOptions:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # set when the service is shutting down: the job resumes after its restart
     stopping: threading.Event = field(default_factory=threading.Event)
-    on_start: Callable[[int], None] | None = None  # run id, when a slot starts it
-    on_engine: Callable[[int, int], None] | None = None  # run id, engine pid
     counters: Counters | None = None  # each recorded run's wall time (the service's /metrics)
     # as each run ended and was recorded: the run, its result, why it could not be recorded
     on_result: Callable[[PlannedRun, RunResult, str | None], None] | None = None
@@ -162,29 +170,38 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
                 build=request, run_timeout_s=options.run_timeout_s),
                 None))
     outcome = JobOutcome("done", planned=planned_all)
-    futures: list[tuple[PlannedRun, RunTask | None, Future]] = []
+    # what the dispatcher and the runs' futures tell of the runs, in the order it happens
+    events: queue.Queue[RunEvent] = queue.Queue()
+    handed: dict[int, tuple[PlannedRun, RunTask | None, Future]] = {}  # in the order handed over
+    ended: dict[int, tuple[RunResult, str | None] | None] = {}
     try:
-        for p, task, ended in items:
+        for p, task, unrun in items:
             if options.cancelled.is_set():
                 break
             if task is None:
                 fut: Future = Future()
-                fut.set_result(ended)
+                fut.set_result(unrun)
             else:
-                fut = dispatcher.submit(
-                    task,
-                    on_start=(lambda rid=p.run_id: options.on_start(rid))
-                    if options.on_start else None,
-                    on_engine=(lambda pid, rid=p.run_id: options.on_engine(rid, pid))
-                    if options.on_engine else None)
-            futures.append((p, task, fut))
+                fut = dispatcher.submit(task, events)
+            handed[p.run_id] = (p, task, fut)
+            fut.add_done_callback(lambda _, rid=p.run_id: events.put(RunEvent(rid, "ended")))
         if options.cancelled.is_set():  # a cancel that came while its runs were handed over
             dispatcher.cancel_job(job_id)
-        for p, task, fut in futures:
-            _collect(job_id, spec, p, task, fut, store, options, outcome)
+        while len(ended) < len(handed):
+            event = events.get()
+            if event.kind == "ended":
+                ended[event.run_id] = _collect(job_id, spec, *handed[event.run_id], store,
+                                               options, outcome)
+            elif store is not None:
+                record_progress(store, event)
     except BaseException:
         dispatcher.cancel_job(job_id)  # no run of it goes on without the job
         raise
+    for run_id in handed:  # the results in the order of the job's runs, as each was recorded
+        if (result := ended[run_id]) is not None:
+            outcome.results.append(result[0])
+            if result[1] is not None:
+                outcome.failures.append(result[1])
     if options.stopping.is_set() and not options.cancelled.is_set():
         outcome.status = "interrupted"  # left running: it resumes after the restart
     elif options.cancelled.is_set():
@@ -195,40 +212,39 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
 
 
 def _collect(job_id: str, spec: JobSpec, p: PlannedRun, task: RunTask | None, fut: Future,
-             store: Store | None, options: RunOptions, outcome: JobOutcome) -> None:
-    """Wait for one run and record it (``record_result``), or its failure."""
+             store: Store | None, options: RunOptions, outcome: JobOutcome
+             ) -> tuple[RunResult, str | None] | None:
+    """One run that ended, recorded (``record_result``), or its failure: its result and why it
+    could not be recorded; None for a run that never started or runs again after a restart."""
     try:
         result = fut.result()
     except CancelledError:  # never started: the service is shutting down
-        return
-    except Exception as exc:  # e.g. its start could not be written
+        return None
+    except Exception as exc:  # e.g. the dispatcher could not place it
         log.exception("run %d failed", p.run_id)
         reason = describe(exc)
         failure = (fail_run(store, p.run_id, reason) if store is not None
                    else f"run {p.run_id}: {reason}")
-        outcome.failures.append(failure)
         outcome.unrecorded.add(p.config.name)
         result = task.outcome("error", reason) if task is not None else p.config.unrun(
             "error", reason)
-        outcome.results.append(result)
         if options.on_result is not None:
             options.on_result(p, result, failure)
-        return
+        return result, failure
     if options.stopping.is_set() and result.verdict == "cancelled":
         if store is not None:
             with store.session() as s:  # shutting down: run again after the restart
                 s.get(Run, p.run_id).status = "pending"
-        return
+        return None
     failure = None
     if store is not None:  # judged there, with its history, and the verdicts handed back
         failure = record_result(store, options.results_dir, job_id, p.run_id, result)
         if failure is not None:
-            outcome.failures.append(failure)
             outcome.unrecorded.add(p.config.name)
     if store is None or failure is not None:  # nothing stored: judged on its fixed limits
         judging.judge_run(result, judging.config_limits(p.config, spec.matrix, engine=spec.engine))
     if failure is None and options.counters is not None:
         options.counters.run_finished(result.seconds)
-    outcome.results.append(result)
     if options.on_result is not None:
         options.on_result(p, result, failure)
+    return result, failure

@@ -374,19 +374,8 @@ class JobService:
             engine=base, log_dir=inside(self.settings.data_dir, "logs", job_id),
             results_dir=self.settings.results_dir(), run_timeout_s=self.settings.run_timeout_s,
             builds_dir=self.settings.resolved_builds_dir(),
-            cancelled=cancelled, stopping=self._stop, counters=self.counters,
-            on_start=self._run_started, on_engine=self._engine_up))
+            cancelled=cancelled, stopping=self._stop, counters=self.counters))
         return outcome.status, outcome.error
-
-    def _run_started(self, run_id: int) -> None:
-        for attempt in self.store.attempts(f"run {run_id}: its start"):
-            with attempt as s:
-                s.get(Run, run_id).status = "running"
-
-    def _engine_up(self, run_id: int, pid: int) -> None:
-        for attempt in self.store.attempts(f"run {run_id}: its engine's pid"):
-            with attempt as s:
-                s.get(Run, run_id).engine_pid = pid
 
     def _alert(self, job_id: str) -> None:
         try:

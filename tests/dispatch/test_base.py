@@ -5,6 +5,7 @@ cannot be made there an error of that run alone."""
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -176,13 +177,19 @@ def test_execute_ends_a_run_at_its_deadline(machine, tmp_path):
     task = RunTask.make("job-1", 7, matrix, expand(matrix, hardware="gpu")[0], spec,
                         [("p0", [1, 2, 3])], tmp_path / "logs", run_timeout_s=3)
     pids = []
-    control = RunControl(on_engine=pids.append)
+    events: queue.Queue = queue.Queue()
+    control = RunControl(task.run_id, events)
     t0 = time.monotonic()
     result = execute(task, control)
     assert time.monotonic() - t0 < 3 + 15
     assert result.verdict == "error"
     assert result.reason == ("engine did not start: the run's deadline of 3 s (run_timeout_s) "
                              "passed: the engine did not start in time")
+    while not events.empty():  # the engine's pid, handed up as a value
+        event = events.get()
+        assert (event.run_id, event.kind) == (7, "engine")
+        pids.append(event.pid)
+    assert pids
     assert_gone(pids)
 
 
