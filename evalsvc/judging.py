@@ -394,8 +394,8 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
             j.verdict, j.p_value = "regression", shift.tail_p
             j.evidence["test"] = "tail"
             j.reason = (f"{label}: {len(far)} of {shift.n} samples far beyond their baseline "
-                        f"(the farthest, {sid}: {c:.3g} against {b:.3g}, z = {z:.1f} past "
-                        f"{shift.tail_z:.1f}; p = {shift.tail_p:.2g}), each beyond the effect "
+                        f"(the farthest, {sid}: {c:.3g} against {b:.3g}, z = {z:.3g} past "
+                        f"{shift.tail_z:.3g}; p = {shift.tail_p:.2g}), each beyond the effect "
                         f"floor {floor:.3g}")
             return j
     if better_high < 0 and -worse > floor:
