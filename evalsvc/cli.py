@@ -268,9 +268,10 @@ def run_outcome(results, unrecorded: set[str]) -> tuple[int, set[str]]:
     """``evalsvc run``'s exit status for its results (EXIT_FAILED, EXIT_ERRORED or 0) and the
     names of the configs whose run errored (``unrecorded``: those that could not be recorded)."""
     from evalsvc.evaluate import EXIT_ERRORED, EXIT_FAILED
+    from evalsvc.types import Verdict
 
-    errored = {r.config for r in results if r.verdict == "error"} | unrecorded
-    if any(r.verdict in ("fail", "invalid") for r in results):
+    errored = {r.config for r in results if r.verdict == Verdict.ERROR} | unrecorded
+    if any(r.verdict in (Verdict.FAIL, Verdict.INVALID) for r in results):
         return EXIT_FAILED, errored
     return (EXIT_ERRORED if errored else 0), errored
 

@@ -41,7 +41,7 @@ from evalsvc.jobs.spec import BuildSpec, JobSpec, mint_id
 from evalsvc.matrix import Config, MatrixFile, make_config
 from evalsvc.paths import inside
 from evalsvc.store.db import Store
-from evalsvc.types import RunResult
+from evalsvc.types import JobStatus, RunResult, Verdict
 from evalsvc.workloads import load_prompts, workload_version
 
 # Exit status of the commands that evaluate (evalsvc run, evalsvc demo): 0 when every run
@@ -148,7 +148,8 @@ def run_local(job_id: str, job: JobSpec, spec: EngineSpec, configs: list[Config]
         finally:
             dispatcher.shutdown()  # after a Ctrl-C: its run stopped (the job cancels it)
             if store is not None:
-                status = "cancelled" if left else "failed" if failures else "done"
+                status = (JobStatus.CANCELLED if left else JobStatus.FAILED if failures
+                          else JobStatus.DONE)
                 error = "; ".join(failures) or None
                 written, _ = store.write(lambda s: end_job(s, job_id, status, error),
                                          f"job {job_id}: its end")
@@ -281,7 +282,7 @@ def results_table(results: list[RunResult], title: str) -> Group:
         acc, cov, ext = row["accept_length"], row["hit_coverage"], row["extend_kl_k3_mean"]
         verdict = row["verdict"]
         cell = Text(verdict, style=VERDICT_STYLE.get(verdict, "white"))
-        if verdict != "pass" and row["reason"]:
+        if verdict != Verdict.PASS and row["reason"]:
             number = notes.setdefault(row["reason"], len(notes) + 1)
             cell.append(f" [{number}]", style="dim")
         table.add_row(Text(row["config"][len(prefix):]), row["scenario"] or "-", Text(kl_text),

@@ -52,6 +52,7 @@ from evalsvc.types import (
     SampleFields,
     ScenarioResult,
     TopLogprobs,
+    Verdict,
     worst,
 )
 
@@ -255,7 +256,7 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
             result.reason = f"engine did not start: {watchdog.reason}"
         else:
             result.reason = f"engine did not start: {exc}"
-        if result.verdict != "cancelled":
+        if result.verdict != Verdict.CANCELLED:
             log.error("run %s: %s", config.name, result.reason)
     except Exception as exc:
         if control is not None and control.cancelled:  # its engine stopped by the cancel
@@ -266,13 +267,13 @@ def run_config(config: Config, matrix: MatrixFile, spec: EngineSpec,
             result.reason = f"{type(exc).__name__}: {exc}; {exit_reason(proc)}"
         else:
             result.reason = f"{type(exc).__name__}: {exc}"
-        if result.verdict != "cancelled":
+        if result.verdict != Verdict.CANCELLED:
             log.exception("run %s failed", config.name)
     finally:
         if client is not None:
             client.close()
         if proc is not None:
-            serving = (result.verdict in ("measured", "invalid")
+            serving = (result.verdict in (Verdict.MEASURED, Verdict.INVALID)
                        and watchdog.reason is None and proc.alive()
                        and (client is None or client.timed_out is None)
                        and not (control is not None and control.cancelled))
@@ -321,7 +322,7 @@ def _drive(result: RunResult, proc: EngineProcess, client: EngineClient, config:
             break
         scen = run_scenario(name, ctx, config, matrix, resolved)
         reason = None
-        if scen.verdict == "error":
+        if scen.verdict == Verdict.ERROR:
             if watchdog.reason is not None:  # the deadline passed: the engine was killed
                 reason = watchdog.reason
                 scen.reason = f"{scen.reason}; {reason}"

@@ -55,7 +55,7 @@ from evalsvc.matrix import SCENARIOS, Config, MatrixFile
 from evalsvc.metrics.kl import PositionKL, kl_by_position, token_kl_by_sample
 from evalsvc.metrics.stats import change_point, paired_shift
 from evalsvc.thresholds import HistorySettings, Limits, ThresholdsFile, limits_for
-from evalsvc.types import RunResult, ScenarioResult, worst
+from evalsvc.types import RunResult, ScenarioResult, Verdict, worst
 
 # metric -> +1 when higher is worse, -1 when lower is worse
 METRICS = {"kl_k3_mean": 1, "extend_kl_k3_mean": 1, "accept_length": -1}
@@ -454,14 +454,14 @@ def judge_run(result: RunResult, limits: Mapping[str, Limits], history: History 
     cancelled (``NOT_JUDGED``): those stay, with their reasons. Judging a judged result again
     judges it from its metrics again. No store here."""
     history = history or History()
-    with_history = result.verdict != "cancelled"
+    with_history = result.verdict != Verdict.CANCELLED
     uses_mtp = bool((result.settings or {}).get("mtp"))
     out: list[Judgement] = []
     samples: dict[tuple[str, str], dict[str, float]] = {}
     for scen in result.scenarios:
         if scen.verdict not in JUDGED:
             continue
-        notes = scen.reason if scen.verdict == "measured" else ""
+        notes = scen.reason if scen.verdict == Verdict.MEASURED else ""
         lim = limits[scen.scenario]
         profile = functools.cache(lambda scen=scen: extend_profile(scen.samples))
         verdict, reason = judge_scenario(scen.scenario, scen.metrics, lim, uses_mtp=uses_mtp,
@@ -522,8 +522,9 @@ def judge_pooled(result: RunResult, metric: str, samples: dict[tuple[str, str], 
     their samples pooled make the location test sharper. History only: fixed limits and the tail
     test belong to each scenario's own verdict. ``samples``: the run's values per sample, by
     (scenario, metric); ``limits``: the pooled verdicts' (``POOLED``)."""
+    conclusive = (Verdict.PASS, Verdict.FAIL, Verdict.EXPECTED)
     scenarios = [sc for sc in SCENARIOS if any(
-        r.scenario == sc and r.verdict in ("pass", "fail", "expected") for r in result.scenarios)
+        r.scenario == sc and r.verdict in conclusive for r in result.scenarios)
         and (sc, metric) in samples and (metric == "accept_length" or sc in HIT_SCENARIOS)]
     if len(scenarios) < 2:
         return None
@@ -556,8 +557,8 @@ def judge_comparison(scenario: str, metric: str, contender: float,
     if coverage is not None:
         metrics["hit_coverage"] = coverage
     result = RunResult(config="", fingerprint="", model="", settings={}, requested_args={},
-                       verdict="measured", scenarios=[ScenarioResult(
-                           scenario, "measured", metrics=metrics,
+                       verdict=Verdict.MEASURED, scenarios=[ScenarioResult(
+                           scenario, Verdict.MEASURED, metrics=metrics,
                            samples=[{"sample_id": sid, metric: v}  # type: ignore[misc]
                                     for sid, v in contender_samples.items()])])
     history = History(series={(scenario, metric): Series([baseline_run], [baseline],

@@ -52,6 +52,7 @@ from evalsvc.store.models import (
 )
 from evalsvc.store.reads import JudgedComparison, ScenarioComparison, VerdictRead
 from evalsvc.thresholds import Limits, ThresholdsFile, load_thresholds
+from evalsvc.types import RunStatus
 
 log = logging.getLogger("evalsvc.verdicts")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -66,7 +67,7 @@ def _series_query(run: Run):
     return (select(Run).join(Build, Run.build_id == Build.id)
             .join(Commit, Build.commit_id == Commit.id)
             .where(Run.fingerprint == run.fingerprint, Build.patch_set == run.build.patch_set,
-                   Run.status == "done", Run.id != run.id))
+                   Run.status == RunStatus.DONE, Run.id != run.id))
 
 
 def _before(run: Run):

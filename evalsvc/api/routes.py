@@ -28,6 +28,7 @@ from evalsvc.store.reads import (
     RegressionRead,
     RunDetail,
 )
+from evalsvc.types import JobStatus
 from evalsvc.verdicts import compare_builds
 from evalsvc.web.deps import (
     ServicesDep,
@@ -139,7 +140,7 @@ def read_job(job_id: JobId, session: SessionDep, shown: ShownDep) -> JobDetail:
     runs = [run_as_seen(r, shown) for r in job.runs]
     builds = list(dict.fromkeys(r.build_id for r in runs))
     comparison = None
-    if len(builds) == 2 and job.status == "done":  # judged when it ended (jobs.comparison)
+    if len(builds) == 2 and job.status == JobStatus.DONE:  # judged when it ended (jobs.comparison)
         comparison = session.get(Job, job_id).comparison
         if comparison is None:  # a job that ended before migration 0009: judged as it is read
             comparison = [r.model_dump() for r in compare_builds(session, builds[0], builds[1])]

@@ -30,7 +30,7 @@ from evalsvc.store.record import (
     write_samples_parquet,
 )
 from evalsvc.thresholds import ThresholdsFile
-from evalsvc.types import RunEvent, RunResult
+from evalsvc.types import JobStatus, RunEvent, RunResult, RunStatus, Verdict
 from evalsvc.verdicts import compare_builds, run_history, stored_limits, track
 
 log = logging.getLogger("evalsvc.jobs")
@@ -83,7 +83,7 @@ def record_progress(store: Store, event: RunEvent) -> None:
             with attempt as s:
                 run = s.get(Run, event.run_id)
                 if event.kind == "started":
-                    run.status = "running"
+                    run.status = RunStatus.RUNNING
                 else:
                     run.engine_pid = event.pid
     except SQLAlchemyError:
@@ -127,7 +127,7 @@ def record_result(store: Store, results_dir: Path, job_id: str, run_id: int,
                 judged = judged_copy(result)  # judged afresh on each try: ``result`` as measured
                 names = [sc.scenario for sc in judged.scenarios if sc.verdict in judging.JUDGED]
                 history = None
-                if judged.verdict != "cancelled":  # judged on its fixed limits only
+                if judged.verdict != Verdict.CANCELLED:  # judged on its fixed limits only
                     history = run_history(s, run, [sc.scenario for sc in judged.scenarios
                                                    if sc.verdict in judging.JUDGED
                                                    and sc.metrics], thresholds)
@@ -165,8 +165,8 @@ def fail_run(store: Store, run_id: int, reason: str) -> str:
 
 def cancel_pending(session, job_id: str) -> None:
     """A job that ended without running them: its pending runs are cancelled."""
-    session.execute(update(Run).where(Run.job_id == job_id, Run.status == "pending")
-                    .values(status="cancelled", finished_at=utcnow()))
+    session.execute(update(Run).where(Run.job_id == job_id, Run.status == RunStatus.PENDING)
+                    .values(status=RunStatus.CANCELLED, finished_at=utcnow()))
 
 
 def end_job(session, job_id: str, status: str, error: str | None
@@ -180,22 +180,23 @@ def end_job(session, job_id: str, status: str, error: str | None
     compared (``store_comparison``). Returns the status and error written (None, None if the job
     was not running)."""
     cancel_pending(session, job_id)
-    session.execute(update(Run).where(Run.job_id == job_id, Run.status == "running")
-                    .values(status="done", verdict="error", engine_pid=None, finished_at=utcnow(),
+    session.execute(update(Run).where(Run.job_id == job_id, Run.status == RunStatus.RUNNING)
+                    .values(status=RunStatus.DONE, verdict=Verdict.ERROR, engine_pid=None,
+                            finished_at=utcnow(),
                             reason=f"it ended but could not be recorded: {error or 'unknown'}"))
-    if status == "done":
+    if status == JobStatus.DONE:
         every = all_errored(session, job_id)
         if every is not None:
             status, error = "failed", every
     asked = Job.cancel_requested_at.is_not(None)
     ended = session.execute(
-        update(Job).where(Job.id == job_id, Job.status == "running")
+        update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING)
         .values(status=case((asked, "cancelled"), else_=status),
                 error=case((asked, None), else_=error), finished_at=utcnow())).rowcount
     if not ended:
         return None, None
     written = tuple(session.execute(select(Job.status, Job.error).where(Job.id == job_id)).one())
-    if written[0] == "done":
+    if written[0] == JobStatus.DONE:
         store_comparison(session, job_id)
     return written
 
@@ -248,7 +249,7 @@ def all_errored(session, job_id: str) -> str | None:
     naming the first runs and their reasons; else None."""
     runs = session.execute(select(Run.id, Run.config, Run.status, Run.verdict, Run.reason)
                            .where(Run.job_id == job_id).order_by(Run.id)).all()
-    if not runs or any(r.status != "done" or r.verdict != "error" for r in runs):
+    if not runs or any(r.status != RunStatus.DONE or r.verdict != Verdict.ERROR for r in runs):
         return None
     named = "; ".join(f"run {r.id} ({r.config}): {r.reason or 'no reason recorded'}"
                       for r in runs[:SHOWN_ERRORS])

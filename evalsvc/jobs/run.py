@@ -45,7 +45,7 @@ from evalsvc.store.db import Store
 from evalsvc.store.models import Run
 from evalsvc.store.record import ensure_job
 from evalsvc.tokenization import tokenized
-from evalsvc.types import RunEvent, RunResult
+from evalsvc.types import RunEvent, RunResult, RunStatus, Verdict
 
 log = logging.getLogger("evalsvc.jobs")
 
@@ -158,7 +158,7 @@ def run_job(job_id: str, spec: JobSpec, dispatcher, store: Store | None,
                        for n, c in enumerate(configs)]
         planned_all += planned
         for p in planned:
-            if p.status != "pending":  # recorded already (a job resumed after a restart)
+            if p.status != RunStatus.PENDING:  # recorded already (a job resumed after a restart)
                 continue
             if bad_models and p.config.model in bad_models:  # its other models' runs still go
                 items.append((p, None, p.config.unrun("error", bad_models[p.config.model])))
@@ -231,10 +231,10 @@ def _collect(job_id: str, spec: JobSpec, p: PlannedRun, task: RunTask | None, fu
         if options.on_result is not None:
             options.on_result(p, result, failure)
         return result, failure
-    if options.stopping.is_set() and result.verdict == "cancelled":
+    if options.stopping.is_set() and result.verdict == Verdict.CANCELLED:
         if store is not None:
             with store.session() as s:  # shutting down: run again after the restart
-                s.get(Run, p.run_id).status = "pending"
+                s.get(Run, p.run_id).status = RunStatus.PENDING
         return None
     failure = None
     if store is not None:  # judged there, with its history, and the verdicts handed back

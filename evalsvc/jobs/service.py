@@ -40,6 +40,7 @@ from evalsvc.store.db import Store
 from evalsvc.store.lock import StoreLock
 from evalsvc.store.models import Job, Run, utcnow
 from evalsvc.store.record import ensure_job
+from evalsvc.types import JobStatus, RunStatus
 
 log = logging.getLogger("evalsvc.jobs")
 
@@ -77,7 +78,7 @@ class JobService:
         stored = spec.stored()
         job_id = mint_id(trigger)
         with self.store.session() as s:
-            ensure_job(s, job_id, trigger, stored, priority=body.priority, status="queued")
+            ensure_job(s, job_id, trigger, stored, priority=body.priority, status=JobStatus.QUEUED)
             if actor is not None:
                 audit.record(s, actor, "submit", "job", job_id, details={
                     "matrix": spec.matrix_name, "configs": spec.configs,
@@ -112,8 +113,8 @@ class JobService:
         running = 0
         try:
             with self.store.session() as s:
-                queued = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
-                                   .values(status="cancelled", finished_at=now)).rowcount
+                queued = s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+                                   .values(status=JobStatus.CANCELLED, finished_at=now)).rowcount
                 if queued:
                     if actor is not None:
                         audit.record(s, actor, "cancel", "job", job_id,
@@ -121,7 +122,7 @@ class JobService:
                     self._count("cancelled")
                 else:
                     running = s.execute(
-                        update(Job).where(Job.id == job_id, Job.status == "running",
+                        update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING,
                                           Job.trigger != "cli")  # evalsvc run records it
                         .values(cancel_requested_at=now)).rowcount
                     if not running:
@@ -201,12 +202,12 @@ class JobService:
         now = utcnow()
         with self.store.session() as s:
             ours = select(Job.id).where(Job.trigger != "cli")
-            for run in s.scalars(select(Run).where(Run.status == "running",
+            for run in s.scalars(select(Run).where(Run.status == RunStatus.RUNNING,
                                                    Run.job_id.in_(ours))):
                 if run.engine_pid:
                     kill_engine_group(run.engine_pid)
                 run.status, run.engine_pid = "pending", None
-            for job in s.scalars(select(Job).where(Job.status == "running",
+            for job in s.scalars(select(Job).where(Job.status == JobStatus.RUNNING,
                                                    Job.trigger != "cli")):
                 if job.cancel_requested_at is not None:
                     job.status, job.finished_at = "cancelled", now
@@ -218,7 +219,7 @@ class JobService:
                                  f"(EVALSVC_RUNNER_MAX_ATTEMPTS={limit})")
                     log.error("job %s failed: %s", job.id, job.error)
                 else:
-                    job.status = "queued"
+                    job.status = JobStatus.QUEUED
                     log.info("job %s resumes after a restart", job.id)
                     continue
                 self._count(job.status)
@@ -245,11 +246,11 @@ class JobService:
 
     def queue_length(self) -> int:
         with self.store.session() as s:
-            return s.scalar(select(func.count()).select_from(Job).where(Job.status == "queued"))
+            return s.scalar(select(func.count()).select_from(Job).where(Job.status == JobStatus.QUEUED))
 
     def running_runs(self) -> int:
         with self.store.session() as s:
-            return s.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
+            return s.scalar(select(func.count()).select_from(Run).where(Run.status == RunStatus.RUNNING))
 
     # ---- the runner ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -286,7 +287,7 @@ class JobService:
                 status, error = "failed", describe(exc)
                 if self.dispatcher is not None:  # none of its runs goes on without it
                     self.dispatcher.cancel_job(job_id)
-        if self._stop.is_set() and status != "cancelled" and not self._is_cancelled(job_id):
+        if self._stop.is_set() and status != JobStatus.CANCELLED and not self._is_cancelled(job_id):
             self._interrupted(job_id)
             return False  # shutting down: the job stays running and resumes after a restart
         self._finish(job_id, status, error)
@@ -298,12 +299,12 @@ class JobService:
         cancelled meanwhile is not taken. Counts the attempt on the job."""
         while not self._stop.is_set():
             with self.store.session() as s:
-                job_id = s.scalar(select(Job.id).where(Job.status == "queued")
+                job_id = s.scalar(select(Job.id).where(Job.status == JobStatus.QUEUED)
                                   .order_by(Job.priority.desc(), Job.created_at, Job.id).limit(1))
                 if job_id is None:
                     return None
-                taken = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
-                                  .values(status="running", attempts=Job.attempts + 1)).rowcount
+                taken = s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+                                  .values(status=JobStatus.RUNNING, attempts=Job.attempts + 1)).rowcount
                 if taken:
                     s.execute(update(Job).where(Job.id == job_id, Job.started_at.is_(None))
                               .values(started_at=utcnow()))
