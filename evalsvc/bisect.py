@@ -43,7 +43,7 @@ from evalsvc.store import audit
 from evalsvc.store.audit import Actor
 from evalsvc.store.db import Store
 from evalsvc.store.models import Bisection, Build, Commit, Job, Regression, Run, VerdictRow, utcnow
-from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, RunStatus, Verdict
+from evalsvc.types import FINISHED_JOB_STATUSES, JobStatus, MetricVerdict, RunStatus, Verdict
 
 log = logging.getLogger("evalsvc.bisect")
 T = TypeVar("T")
@@ -51,6 +51,9 @@ RELEASES = "pypi:sglang"  # the repository of a bisection over SGLang's releases
 SETTLE = 30.0  # seconds: a step's job is looked at this often even when no end was signalled
 # the verdicts of a run (and its scenarios) that decide a step: good or bad, not unmeasured
 DECIDING = (Verdict.PASS, Verdict.FAIL, Verdict.EXPECTED)
+# a pooled metric's verdicts that decide a step (an inconclusive one does not)
+POOLED_DECIDING = (MetricVerdict.PASS, MetricVerdict.REGRESSION, MetricVerdict.IMPROVEMENT,
+                   MetricVerdict.EXPECTED)
 
 
 class BisectCreate(BaseModel):
@@ -350,7 +353,7 @@ class Bisector:
                 v = s.scalars(select(VerdictRow).where(VerdictRow.run_id == run_id,
                                                     VerdictRow.scenario == POOLED,
                                                     VerdictRow.metric == spec.metric)).first()
-                if v is None or v.verdict not in ("pass", "regression", "improvement", "expected"):
+                if v is None or v.verdict not in POOLED_DECIDING:
                     raise BisectError(f"commit {sha[:12]}: run {run_id} cannot decide (no pooled "
                                       f"{spec.metric} verdict: {run.verdict}: {run.reason})")
                 return v.verdict in bad, v.verdict, v.reason or ""

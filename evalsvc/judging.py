@@ -55,7 +55,7 @@ from evalsvc.matrix import SCENARIOS, Config, MatrixFile
 from evalsvc.metrics.kl import PositionKL, kl_by_position, token_kl_by_sample
 from evalsvc.metrics.stats import change_point, paired_shift
 from evalsvc.thresholds import HistorySettings, Limits, ThresholdsFile, limits_for
-from evalsvc.types import RunResult, ScenarioResult, Verdict, worst
+from evalsvc.types import MetricVerdict, RunResult, ScenarioResult, Verdict, worst
 
 # metric -> +1 when higher is worse, -1 when lower is worse
 METRICS = {"kl_k3_mean": 1, "extend_kl_k3_mean": 1, "accept_length": -1}
@@ -78,7 +78,7 @@ STANDOUT = 10.0
 class Judgement:
     scenario: str
     metric: str
-    verdict: str  # pass | regression | improvement | inconclusive | expected
+    verdict: MetricVerdict
     method: str  # coverage | threshold | bit_exact | history | change_point
     value: float | None = None
     baseline: float | None = None
@@ -131,7 +131,8 @@ def hold_known(j: Judgement | None, known: KnownFailure | None, limits: Limits) 
     still there), is ``expected``, for a reason that names the regression and its link. A
     regression worse than that stays one, its reason saying so; a pass further below the level
     (a fix), an improvement and an inconclusive verdict stay as they are."""
-    if j is None or known is None or j.verdict not in ("regression", "pass") or j.value is None:
+    if (j is None or known is None or j.value is None
+            or j.verdict not in (MetricVerdict.REGRESSION, MetricVerdict.PASS)):
         return
     floor = limits.effect_floor(j.metric, known.level)
     worse = METRICS[j.metric] * (j.value - known.level)
@@ -139,17 +140,17 @@ def hold_known(j: Judgement | None, known: KnownFailure | None, limits: Limits) 
     about = f"regression #{known.regression_id}{', ' + known.link if known.link else ''}"
     facts = {"regression_id": known.regression_id, "link": known.link, "level": known.level,
              "floor": floor}
-    if j.verdict == "regression" and worse > floor:
+    if j.verdict == MetricVerdict.REGRESSION and worse > floor:
         j.evidence["known_failure"] = {**facts, "exceeded": True}
         j.reason = (f"{j.reason}; worse than the known failure ({about}: {label} "
                     f"{known.level:.3g}) by more than the effect floor {floor:.3g}")
-    elif j.verdict == "regression" or abs(worse) <= floor:
+    elif j.verdict == MetricVerdict.REGRESSION or abs(worse) <= floor:
         j.evidence["known_failure"] = {**facts, "exceeded": False}
         j.reason = f"known failure ({about}): " + (
-            j.reason if j.verdict == "regression" else
+            j.reason if j.verdict == MetricVerdict.REGRESSION else
             f"{label} {j.value:.4g} at its level {known.level:.3g} (within the effect floor "
             f"{floor:.3g})")
-        j.verdict = "expected"
+        j.verdict = MetricVerdict.EXPECTED
 
 
 def coverage_shortfall(coverage: float | None, need: float) -> str | None:
@@ -215,7 +216,7 @@ def locate_extend(j: Judgement | None, profile: Profile) -> None:
     """A failing extend verdict's reason, with where along the extend its k3 sits
     (``extend_location``) added. ``profile``: the extend k3 by position, or what makes it (called
     only for a failing extend)."""
-    if j is None or j.metric != "extend_kl_k3_mean" or j.verdict != "regression":
+    if j is None or j.metric != "extend_kl_k3_mean" or j.verdict != MetricVerdict.REGRESSION:
         return
     where = extend_location(profile() if callable(profile) else profile)
     if where is not None:
@@ -266,17 +267,17 @@ def judge_scenario(scenario: str, metrics: dict[str, Any], limits: Limits, *,
     reason places (``locate_extend``)."""
     short = coverage_shortfall(metrics.get("hit_coverage"), limits.min_hit_coverage)
     if short is not None:
-        return "inconclusive", short
+        return Verdict.INCONCLUSIVE, short
     if (scenario == "speculative" and uses_mtp and limits.accept_length.min is not None
             and metrics.get("accept_length") is None):
-        return "fail", NO_SPEC_COUNTERS
+        return Verdict.FAIL, NO_SPEC_COUNTERS
     for metric in METRICS:
         j = judge_metric(scenario, metric, metrics.get(metric), {}, limits, Series(),
                          HistorySettings(), exact_fraction=metrics.get("bit_exact_fraction"))
         locate_extend(j, extend)
-        if j is not None and j.verdict == "regression":
-            return "fail", j.reason
-    return "pass", ""
+        if j is not None and j.verdict == MetricVerdict.REGRESSION:
+            return Verdict.FAIL, j.reason
+    return Verdict.PASS, ""
 
 
 def after_history(verdict: str, reason: str | None, judgements: list[Judgement]
@@ -287,17 +288,17 @@ def after_history(verdict: str, reason: str | None, judgements: list[Judgement]
     whose metrics fail only as known failures (``expected`` verdicts, no regression) is expected,
     for the first one's reason, unless it failed for what no metric's verdict says (no
     speculative counters). A scenario judged expected before is judged again from its metrics."""
-    if verdict == "expected":
-        verdict, reason = "pass", None
-    regressions = [j for j in judgements if j.verdict == "regression"]
-    known = [j for j in judgements if j.verdict == "expected"]
+    if verdict == Verdict.EXPECTED:
+        verdict, reason = Verdict.PASS, None
+    regressions = [j for j in judgements if j.verdict == MetricVerdict.REGRESSION]
+    known = [j for j in judgements if j.verdict == MetricVerdict.EXPECTED]
     # the metrics' verdicts say why: a pass, or a fail among known failures
-    metrics_say = verdict == "pass" or (verdict == "fail" and bool(known)
+    metrics_say = verdict == Verdict.PASS or (verdict == Verdict.FAIL and bool(known)
                                         and reason != NO_SPEC_COUNTERS)
     if regressions:
-        return ("fail", regressions[0].reason) if metrics_say else (verdict, reason)
+        return (Verdict.FAIL, regressions[0].reason) if metrics_say else (verdict, reason)
     if known and metrics_say:
-        return "expected", known[0].reason
+        return Verdict.EXPECTED, known[0].reason
     return verdict, reason
 
 
@@ -311,10 +312,10 @@ def judge_metric(scenario: str, metric: str, value: float | None, samples: dict[
         return None
     sign = METRICS[metric]
     label = LABELS[metric]
-    j = Judgement(scenario, metric, "pass", "threshold", value=value)
+    j = Judgement(scenario, metric, MetricVerdict.PASS, "threshold", value=value)
     short = coverage_shortfall(coverage, limits.min_hit_coverage)
     if short is not None:
-        j.verdict, j.method, j.threshold = "inconclusive", "coverage", limits.min_hit_coverage
+        j.verdict, j.method, j.threshold = MetricVerdict.INCONCLUSIVE, "coverage", limits.min_hit_coverage
         j.evidence = {"hit_coverage": coverage}
         j.reason = short
         return j
@@ -323,16 +324,16 @@ def judge_metric(scenario: str, metric: str, value: float | None, samples: dict[
         exact = 1.0 if exact_fraction is None or metric != "kl_k3_mean" else exact_fraction
         j.method, j.threshold, j.evidence = "bit_exact", 0.0, {"bit_exact_fraction": exact}
         if value > 0 or exact < 1.0:
-            j.verdict = "regression"
+            j.verdict = MetricVerdict.REGRESSION
             j.reason = (f"not bit-exact under deterministic inference: {label} {value:.3g}, "
                         f"{exact:.1%} of tokens exact")
             return j
     elif sign > 0 and lim.max is not None and value > lim.max:
-        j.verdict, j.threshold = "regression", lim.max
+        j.verdict, j.threshold = MetricVerdict.REGRESSION, lim.max
         j.reason = f"{label} {value:.3g} above the limit {lim.max:.3g}"
         return j
     elif sign < 0 and lim.min is not None and value < lim.min:
-        j.verdict, j.threshold = "regression", lim.min
+        j.verdict, j.threshold = MetricVerdict.REGRESSION, lim.min
         j.reason = f"{label} {value:.3f} below the floor {lim.min:.3f}"
         return j
     if j.method == "threshold":
@@ -377,7 +378,7 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
     better_high = shift.location_high if sign > 0 else -shift.location_low
     worse = sign * shift.diff
     if worse_low > 0 and worse > floor:
-        j.verdict = "regression"
+        j.verdict = MetricVerdict.REGRESSION
         j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g} over {len(base_runs)} "
                     f"earlier runs: difference [{shift.low:.3g}, {shift.high:.3g}] at "
                     f"{settings.confidence:.1%}, a change beyond the effect floor {floor:.3g}")
@@ -391,7 +392,7 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
                               "outliers": [list(o) for o in far[:10]]}
         if far and shift.tail_p <= 1.0 - settings.confidence:
             sid, c, b, z = max(far, key=lambda o: o[3])
-            j.verdict, j.p_value = "regression", shift.tail_p
+            j.verdict, j.p_value = MetricVerdict.REGRESSION, shift.tail_p
             j.evidence["test"] = "tail"
             j.reason = (f"{label}: {len(far)} of {shift.n} samples far beyond their baseline "
                         f"(the farthest, {sid}: {c:.3g} against {b:.3g}, z = {z:.3g} past "
@@ -399,7 +400,7 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
                         f"floor {floor:.3g}")
             return j
     if better_high < 0 and -worse > floor:
-        j.verdict = "improvement"
+        j.verdict = MetricVerdict.IMPROVEMENT
         j.reason = (f"{label} {j.value:.4g} against {j.baseline:.4g}: difference "
                     f"[{shift.low:.3g}, {shift.high:.3g}]")
         return j
@@ -414,7 +415,7 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
                      else None)  # None: the contender itself
             j.evidence["change_point"] = {**cp, "first_run_id": first}
             if cp["p_value"] <= settings.change_point_alpha and sign * shift > floor_cp:
-                j.verdict, j.method, j.p_value, j.threshold = ("regression", "change_point",
+                j.verdict, j.method, j.p_value, j.threshold = (MetricVerdict.REGRESSION, "change_point",
                                                                cp["p_value"], floor_cp)
                 j.reason = (f"{label} shifted from {cp['before']:.4g} to {cp['after']:.4g} "
                             f"{len(series) - cp['index']} runs ago (p = {cp['p_value']:.2g})")
@@ -423,9 +424,9 @@ def _judge_history(j: Judgement, samples: dict[str, float], limits: Limits, hist
 
 # the verdicts of a scenario its metrics decide: the harness's ``measured``, and a verdict judged
 # before (judged again from the metrics)
-JUDGED = ("measured", "pass", "fail", "inconclusive", "expected")
+JUDGED = (Verdict.MEASURED, Verdict.PASS, Verdict.FAIL, Verdict.INCONCLUSIVE, Verdict.EXPECTED)
 # a run's verdicts that are no judgement of its metrics: they stay as they are
-NOT_JUDGED = ("invalid", "error", "cancelled")
+NOT_JUDGED = (Verdict.INVALID, Verdict.ERROR, Verdict.CANCELLED)
 
 
 def finite(value: Any) -> float | None:
@@ -492,8 +493,9 @@ def judge_run(result: RunResult, limits: Mapping[str, Limits], history: History 
             if j is None:
                 continue
             out.append(j)
-            if j.verdict in ("regression", "expected"):
-                reasons.append((POOLED, "fail" if j.verdict == "regression" else "expected",
+            if j.verdict in (MetricVerdict.REGRESSION, MetricVerdict.EXPECTED):
+                fails = Verdict.FAIL if j.verdict == MetricVerdict.REGRESSION else Verdict.EXPECTED
+                reasons.append((POOLED, fails,
                                 f"{', '.join(j.evidence['scenarios'])} together: {j.reason}"))
     if reasons and result.verdict not in NOT_JUDGED:  # none: nothing here to judge
         result.verdict, reason = worst(reasons)

@@ -44,6 +44,17 @@ def worst(scenarios: Iterable[tuple[str, str, str | None]]) -> tuple[Verdict, st
     return verdict, f"{name}: {reason}"
 
 
+class MetricVerdict(StrEnum):
+    """A metric's verdict in one scenario (``judging.Judgement``, the ``verdicts`` table): the
+    values are the strings stored and served."""
+
+    PASS = "pass"
+    REGRESSION = "regression"
+    IMPROVEMENT = "improvement"
+    INCONCLUSIVE = "inconclusive"  # the scenario did not exercise it (hit coverage)
+    EXPECTED = "expected"  # it regressed as a known failure did (an open regression triaged so)
+
+
 class JobStatus(StrEnum):
     """A job's status: the values are the strings stored and served."""
 

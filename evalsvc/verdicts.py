@@ -52,7 +52,7 @@ from evalsvc.store.models import (
 )
 from evalsvc.store.reads import JudgedComparison, ScenarioComparison, VerdictRead
 from evalsvc.thresholds import Limits, ThresholdsFile, load_thresholds
-from evalsvc.types import RunStatus
+from evalsvc.types import MetricVerdict, RunStatus
 
 log = logging.getLogger("evalsvc.verdicts")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -110,7 +110,7 @@ def kept_runs(session: Session, run: Run, candidates: list[Run], scenario: str,
     ids = [r.id for r in candidates]
     flagged = set(session.scalars(select(VerdictRow.run_id).where(
         VerdictRow.run_id.in_(ids), VerdictRow.scenario == scenario, VerdictRow.metric == metric,
-        VerdictRow.verdict == "regression")))
+        VerdictRow.verdict == MetricVerdict.REGRESSION)))
 
     def kept(r: Run) -> bool:
         if r.id not in flagged:
@@ -281,15 +281,15 @@ def track(session: Session, run: Run, verdicts: list[VerdictRow]) -> None:
     if not newest_in_series(session, run):
         return
     for v in verdicts:
-        if v.verdict == "inconclusive":
+        if v.verdict == MetricVerdict.INCONCLUSIVE:
             continue
         series = session.scalars(select(Regression).where(
             Regression.fingerprint == run.fingerprint, Regression.patch_set == run.build.patch_set,
             Regression.scenario == v.scenario, Regression.metric == v.metric,
             Regression.state == "open").order_by(Regression.id)).all()
         holding = (v.evidence or {}).get("known_failure", {}).get("regression_id") \
-            if v.verdict == "expected" else None
-        if v.verdict != "regression":
+            if v.verdict == MetricVerdict.EXPECTED else None
+        if v.verdict != MetricVerdict.REGRESSION:
             for reg in series:
                 if reg.id == holding:
                     if reg.last_run_id != run.id:
@@ -321,7 +321,7 @@ def last_good_run(session: Session, run: Run, scenario: str, metric: str) -> int
     for r in earlier_runs(session, run, limit=100):
         v = session.scalars(select(VerdictRow.verdict).where(
             VerdictRow.run_id == r.id, VerdictRow.scenario == scenario, VerdictRow.metric == metric)).first()
-        if v in ("pass", "improvement"):
+        if v in (MetricVerdict.PASS, MetricVerdict.IMPROVEMENT):
             return r.id
     return None
 

@@ -48,7 +48,7 @@ from evalsvc.store.reads import (
     VerdictRead,
 )
 from evalsvc.thresholds import load_thresholds
-from evalsvc.types import FINISHED_JOB_STATUSES, Verdict
+from evalsvc.types import FINISHED_JOB_STATUSES, MetricVerdict, Verdict
 from evalsvc.verdicts import compare_builds, stored_limits
 from evalsvc.web.auth import csrf_token
 from evalsvc.web.deps import SessionDep, ShownDep, current_user, require_read
@@ -414,16 +414,16 @@ def deciding_verdict(verdict: str | None, reason: str | None, judged: list[Verdi
     tokens' KL, the extend's KL, acceptance), or else by the metric its reason names; a known
     failure (expected) by the metric it is known for; an inconclusive scenario by its hit
     coverage; a pass (or an error) by none."""
-    if verdict == "fail":
-        regressed = {v.metric: v for v in judged if v.verdict == "regression"}
+    if verdict == Verdict.FAIL:
+        regressed = {v.metric: v for v in judged if v.verdict == MetricVerdict.REGRESSION}
         for metric in METRICS:
             if metric in regressed:
                 return metric, regressed[metric]
         return reason_metric(reason), None
-    if verdict == "expected":  # a known failure: the metric the known regression holds
-        known = next((v for v in judged if v.verdict == "expected"), None)
+    if verdict == Verdict.EXPECTED:  # a known failure: the metric the known regression holds
+        known = next((v for v in judged if v.verdict == MetricVerdict.EXPECTED), None)
         return (known.metric, known) if known is not None else (reason_metric(reason), None)
-    if verdict == "inconclusive":
+    if verdict == Verdict.INCONCLUSIVE:
         coverage = next((v for v in judged if v.method == "coverage"), None)
         metric = "hit_coverage" if coverage is not None else reason_metric(reason)
         return metric, coverage
@@ -454,7 +454,7 @@ def known_failure(verdicts: list[VerdictRead], scenario: str) -> KnownFailureRef
     """The known failure a scenario fails as: the evidence of its first ``expected`` verdict
     (regression id, link), None when it has none."""
     return next((KnownFailureRef.model_validate(v.evidence["known_failure"]) for v in verdicts
-                 if v.scenario == scenario and v.verdict == "expected"
+                 if v.scenario == scenario and v.verdict == MetricVerdict.EXPECTED
                  and "known_failure" in (v.evidence or {})), None)
 
 

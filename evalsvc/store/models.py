@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, relationship
 
-from evalsvc.types import SAMPLE_COLUMNS, JobStatus, RunStatus, SampleColumn, Verdict
+from evalsvc.types import SAMPLE_COLUMNS, JobStatus, MetricVerdict, RunStatus, SampleColumn, Verdict
 
 NAMING = {"ix": "ix_%(column_0_label)s", "uq": "uq_%(table_name)s_%(column_0_N_name)s",
           "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
@@ -242,7 +242,7 @@ class VerdictRow(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     scenario: Mapped[str] = mapped_column(String(40))
     metric: Mapped[str] = mapped_column(String(80))
-    verdict: Mapped[str] = mapped_column(String(20))  # pass regression improvement inconclusive
+    verdict: Mapped[str] = mapped_column(EnumString(MetricVerdict))
     method: Mapped[str] = mapped_column(String(20))  # coverage threshold bit_exact history change_point
     value: Mapped[float | None] = mapped_column(Float)
     baseline: Mapped[float | None] = mapped_column(Float)  # mean of the baseline runs' values

@@ -49,7 +49,7 @@ from evalsvc.store.reads import (
     TrendWindow,
     VerdictRead,
 )
-from evalsvc.types import Verdict
+from evalsvc.types import MetricVerdict, Verdict
 
 SAMPLE_METRICS = {"kl_k3_mean", "kl_k1_mean", "kl_k2_mean", "topk_kl_mean", "accept_length",
                   "extend_kl_k3_mean"}
@@ -579,7 +579,7 @@ def known_failures_of(session: Session, run_ids: list[int]
     if run_ids:
         for run_id, scenario, evidence in session.execute(
                 select(VerdictRow.run_id, VerdictRow.scenario, VerdictRow.evidence)
-                .where(VerdictRow.run_id.in_(run_ids), VerdictRow.verdict == "expected")
+                .where(VerdictRow.run_id.in_(run_ids), VerdictRow.verdict == MetricVerdict.EXPECTED)
                 .order_by(VerdictRow.id)):
             known = (evidence or {}).get("known_failure")
             if known and (run_id, scenario) not in out:
