@@ -207,6 +207,8 @@ def ray_added_env() -> list[str]:
             raylet = Path(f"/proc/{os.environ['RAY_RAYLET_PID']}/environ").read_bytes()
         except (KeyError, OSError):
             return names
+        if not raylet:  # a process not yet past its exec (or exiting): it cannot tell
+            return names
         if not any(e.startswith(b"OMP_NUM_THREADS=") for e in raylet.split(b"\0")):
             names.append("OMP_NUM_THREADS")
     return names

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,11 @@ def test_ray_added_env(monkeypatch, node_sets_omp):
         env["OMP_NUM_THREADS"] = "4"
     raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     try:
+        # just started, its environment can read empty for a moment (about 1 in 10 here)
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{raylet.pid}/environ").read_bytes():
+            assert time.monotonic() < deadline, "the raylet's environment never became readable"
+            time.sleep(0.01)
         monkeypatch.setenv("RAY_RAYLET_PID", str(raylet.pid))
         monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -119,6 +125,25 @@ def test_ray_added_env(monkeypatch, node_sets_omp):
     finally:
         raylet.kill()
         raylet.wait()
+
+
+def test_ray_added_env_cannot_tell_from_an_empty_environment(monkeypatch):
+    """A raylet whose environment reads empty (a process not yet past its exec, as
+    ``test_ray_added_env``'s own reads about 1 in 10 times right after its start) says nothing of
+    OMP_NUM_THREADS: the worker's is kept, not taken for Ray's."""
+    from evalsvc.dispatch import ray_backend
+
+    class Empty:
+        def __init__(self, path: str) -> None:
+            assert path == "/proc/4242/environ"
+
+        def read_bytes(self) -> bytes:
+            return b""
+
+    monkeypatch.setattr(ray_backend, "Path", Empty)
+    monkeypatch.setenv("RAY_RAYLET_PID", "4242")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert "OMP_NUM_THREADS" not in ray_added_env()
 
 
 PARENT = textwrap.dedent("""
